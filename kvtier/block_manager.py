@@ -138,14 +138,28 @@ class BlockManager:
             req.hashes.extend(
                 self.hasher.hash_blocks(token_ids[start * bs : full * bs], parent, start, req.extra)
             )
+        return self.publish(req_id, full)
+
+    def publish(self, req_id: Hashable, num_blocks: int) -> int:
+        """Publish the request's blocks up to ``num_blocks`` (their KV is in place).
+
+        Returns how many became hittable (a hash another block holds stays there).
+        """
+        req = self.request(req_id)
         first = req.num_published
-        if full <= first:
+        if num_blocks <= first:
             return 0
+        if num_blocks > min(len(req.hashes), len(req.block_ids)):
+            raise ValueError(f"request {req_id!r} has no hashed block {num_blocks - 1} to publish")
+        hashes = req.hashes[first:num_blocks]
         parent = req.hashes[first - 1] if first else self.hasher.root
         published = self.pool.publish(
-            req.block_ids[first:full], req.hashes[first:full], first, parent
+            req.block_ids[first:num_blocks],
+            hashes,
+            range(first, num_blocks),
+            [parent, *hashes[:-1]],
         )
-        req.num_published = full
+        req.num_published = num_blocks
         return published
 
     def free(self, req_id: Hashable) -> bool:

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from kvtier.block_manager import BlockManager, StaleHitError
-from kvtier.gpu_pool import EvictedBlocks, GPUBlockPool
+from kvtier.block_pool import CachedBlocks
+from kvtier.gpu_pool import GPUBlockPool
 from kvtier.hashing import BlockHasher, ExtraKeys, namespace_root
 from kvtier.layout import KVLayout
 
@@ -10,8 +11,8 @@ LAYOUT = KVLayout(2, 2, 4, 2, 8, torch.float32)
 BS = LAYOUT.block_size
 
 
-def make(num_blocks: int = 8) -> tuple[BlockManager, list[EvictedBlocks]]:
-    evicted: list[EvictedBlocks] = []
+def make(num_blocks: int = 8) -> tuple[BlockManager, list[CachedBlocks]]:
+    evicted: list[CachedBlocks] = []
     pool = GPUBlockPool(num_blocks, LAYOUT, on_evict=evicted.append)
     hasher = BlockHasher(namespace_root("m", LAYOUT.fingerprint), BS)
     return BlockManager(pool, hasher), evicted
