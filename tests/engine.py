@@ -1,0 +1,56 @@
+"""A minimal engine loop for tests: KV is a deterministic function of the token prefix.
+
+Block ``i`` of a prompt gets KV drawn from a generator seeded by the CRC of tokens
+``[0, (i + 1) * block_size)``: the same prefix always has the same KV, so any block
+the cache hands back can be checked bit for bit against what a recompute would write.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvtier.cache import PrefixHit, TieredCache
+
+
+def expected_block(cache: TieredCache, tokens: list[int], index: int) -> torch.Tensor:
+    """The KV a recompute writes for block ``index`` of ``tokens``."""
+    bs = cache.block_size
+    seed = zlib.crc32(np.asarray(tokens[: (index + 1) * bs], dtype=np.uint32).tobytes())
+    g = torch.Generator().manual_seed(seed)
+    layout = cache.layout
+    values = torch.randn(layout.block_shape, generator=g)
+    return values.to(layout.dtype)
+
+
+@dataclass
+class Served:
+    hit: PrefixHit
+    valid_tokens: int
+    table: list[int]
+
+
+def serve(cache: TieredCache, req_id: str, tokens: list[int], free: bool = True) -> Served:
+    """lookup, allocate, wait, check the loaded KV, write the rest, commit, free.
+
+    Asserts that every block the cache supplied equals the recomputed KV.
+    """
+    hit = cache.lookup(req_id, tokens)
+    table = cache.allocate(req_id, len(tokens) - hit.num_tokens, hit)
+    assert table is not None, f"{req_id}: GPU pool exhausted"
+    valid = cache.wait(req_id)
+    bs = cache.block_size
+    for i in range(valid // bs):
+        assert torch.equal(cache.kv[table[i]].cpu(), expected_block(cache, tokens, i)), (
+            f"{req_id}: block {i} differs from recompute"
+        )
+    for i in range(valid // bs, len(table)):
+        if (i + 1) * bs <= len(tokens):
+            cache.kv[table[i]] = expected_block(cache, tokens, i).to(cache.kv.device)
+    cache.commit(req_id, tokens)
+    if free:
+        cache.free(req_id)
+    return Served(hit, valid, table)
