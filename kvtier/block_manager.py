@@ -98,6 +98,9 @@ class BlockManager:
         req = self._requests.get(req_id)
         if req is None:
             req = self._requests[req_id] = RequestState()
+        elif not hit and req.num_tokens + num_new_tokens <= len(req.block_ids) * self.block_size:
+            req.num_tokens += num_new_tokens  # decode within the last block: nothing to take
+            return []
         hit = hit or []
         if hit:
             if req.block_ids:

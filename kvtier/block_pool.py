@@ -125,6 +125,23 @@ class BlockPool:
         get = self._cached.get
         return [get(h) for h in hashes]
 
+    def walk_back(self, last: bytes, count: int) -> tuple[list[int], bytes | None]:
+        """Blocks of the ``count`` chain positions ending at hash ``last``, oldest first.
+
+        Follows parent hashes. Returns ``(blocks, None)`` when all are cached here,
+        else ``([], missing)`` with the first hash (walking back) that is not.
+        """
+        out: list[int] = []
+        h = last
+        for _ in range(count):
+            b = self._cached.get(h)
+            if b is None:
+                return [], h
+            out.append(b)
+            h = self._parent[b]
+        out.reverse()
+        return out, None
+
     def cached_blocks(self, block_ids: Sequence[int]) -> CachedBlocks:
         """The hashed ones among ``block_ids``, with their chain positions and parents."""
         ids = np.asarray(block_ids, dtype=np.int64)
@@ -199,15 +216,18 @@ class BlockPool:
             return 0
         if (self._ref[ids] <= 0).any() or (self._pos[ids] >= 0).any():
             raise ValueError("publish needs in-use blocks that hold no hash yet")
-        hashes, parents = list(hashes), list(parents)
-        pos = np.asarray(positions, dtype=np.int64)
-        cached = self._cached
-        if not cached.keys().isdisjoint(hashes):  # another request published some first
-            keep = [h not in cached for h in hashes]
+        if isinstance(positions, range):
+            pos = np.arange(positions.start, positions.stop, positions.step, dtype=np.int64)
+        else:
+            pos = np.asarray(positions, dtype=np.int64)
+        id_list = ids.tolist()
+        # One dict probe per hash: insert where absent, learn who holds it otherwise.
+        holders = list(map(self._cached.setdefault, hashes, id_list))
+        if holders != id_list:  # another request published some first: those stay unhashed
+            keep = [h == b for h, b in zip(holders, id_list)]
             ids, pos = ids[keep], pos[keep]
             hashes = [h for h, k in zip(hashes, keep) if k]
             parents = [p for p, k in zip(parents, keep) if k]
-        cached.update(zip(hashes, ids.tolist()))
         self._hash[ids] = _objects(hashes)
         self._parent[ids] = _objects(parents)
         self._pos[ids] = pos
@@ -227,8 +247,11 @@ class BlockPool:
         if not len(done):
             return
         hashed = self._pos[done] >= 0
-        self._push_empty(done[~hashed])
-        self._push_lru(done[hashed])
+        if hashed.all():
+            self._push_lru(done)
+        else:
+            self._push_empty(done[~hashed])
+            self._push_lru(done[hashed])
 
     def reset(self) -> bool:
         """Forget every cached hash (no eviction hook); False, changing nothing, if any in use."""
