@@ -1,0 +1,302 @@
+"""Chunk values: the format every spill tier (LMDB, Redis) stores, and its checks.
+
+A chunk is blocks ``[k*C, k*C+n)`` of one chain (``1 <= n <= C``, ``C`` the tier's
+``chunk_blocks``), stored under the 16-byte chained hash of its last block. Its value
+is one contiguous buffer::
+
+    MAGIC (4 bytes, b"KVT\\x01") | uint32 LE header length H (1 <= H <= 1024)
+    | msgpack header (H bytes) | payload (n * layout.block_nbytes bytes)
+
+The header is a msgpack map with exactly the keys ``v`` (format version), ``fp``
+(16-byte layout fingerprint), ``key`` (16-byte chunk key), ``n`` (blocks), ``pos``
+(chain position of the first block), ``len`` (payload bytes) and ``sum`` (the
+``xxh3_64`` int digest of the payload, seeded with ``pos`` so that the one header
+field not checked against the caller's expectations or the value's length is
+covered too). Values are never pickled.
+
+The encoder always writes the same fixed-width header (ints as msgpack uint64), so
+``encoded_nbytes(n)`` is exact; the decoder accepts any well-formed msgpack header.
+Decoding validates, in order: empty, truncated / magic, header, version, layout,
+key, length, checksum; the first failure raises ``BadChunk`` with its reason code.
+Nothing else is ever raised for a bad value, and nothing in a value is trusted
+before it has been checked.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final, Literal, get_args
+
+import msgpack
+import numpy as np
+import torch
+import xxhash
+
+from kvtier.layout import KVLayout
+
+FORMAT_VERSION: Final = 1
+MAGIC: Final = b"KVT\x01"
+KEY_NBYTES: Final = 16
+MAX_HEADER_NBYTES: Final = 1024
+
+_PREFIX = struct.Struct("<4sI")  # magic, header length
+_HEADER_KEYS: Final = frozenset(("v", "fp", "key", "n", "pos", "len", "sum"))
+_U64_MAX: Final = (1 << 64) - 1
+
+Reason = Literal[
+    "empty", "truncated", "magic", "header", "version", "layout", "key", "length", "checksum"
+]
+REASONS: Final[frozenset[str]] = frozenset(get_args(Reason))
+
+
+class BadChunk(ValueError):
+    """A value that is not a valid chunk for this layout and key.
+
+    ``reason`` is one of ``REASONS``; the message says what was expected and found.
+    """
+
+    def __init__(self, reason: Reason, message: str) -> None:
+        super().__init__(f"bad chunk ({reason}): {message}")
+        self.reason: Reason = reason
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    """The decoded, validated header of a chunk value."""
+
+    version: int
+    layout_fingerprint: bytes
+    key: bytes
+    num_blocks: int
+    first_position: int
+    payload_nbytes: int
+    checksum: int
+
+
+def chunk_bounds(position: int, chunk_blocks: int) -> tuple[int, int]:
+    """``(start, end)``: the aligned chunk ``[start, end)`` that holds chain ``position``."""
+    if position < 0:
+        raise ValueError(f"chain position must be >= 0, got {position}")
+    if chunk_blocks < 1:
+        raise ValueError(f"chunk_blocks must be >= 1, got {chunk_blocks}")
+    start = position - position % chunk_blocks
+    return start, start + chunk_blocks
+
+
+def byte_rows(t: torch.Tensor) -> np.ndarray:
+    """Zero-copy ``[N, bytes per row]`` uint8 numpy view of a CPU tensor ``[N, ...]``.
+
+    Works for every dtype, bfloat16 and float8 included (the bytes are reinterpreted,
+    never converted). The tensor must be on the CPU and contiguous; the view shares
+    its memory (writes through it change the tensor).
+    """
+    if t.device.type != "cpu":
+        raise ValueError(f"byte_rows needs a CPU tensor, got one on {t.device}")
+    if t.dim() < 1:
+        raise ValueError("byte_rows needs a tensor with a leading row dimension")
+    if not t.is_contiguous():
+        raise ValueError("byte_rows needs a contiguous tensor (a view must not copy)")
+    return t.detach().view(torch.uint8).reshape(t.shape[0], -1).numpy()
+
+
+def _fixed_header_template(fingerprint: bytes) -> tuple[bytes, int, tuple[int, ...]]:
+    """Magic, H and a msgpack header with fixed-width fields, zeroed where they vary.
+
+    Returns ``(template, key_offset, int_offsets)``: the 16-byte key goes at
+    ``key_offset``; the big-endian uint64 values of n, pos, len and sum at
+    ``int_offsets`` (all offsets from the value's start).
+    """
+    parts: list[bytes] = [b"\x87"]  # fixmap, 7 entries
+    parts.append(b"\xa1v" + bytes((FORMAT_VERSION,)))  # positive fixint
+    parts.append(b"\xa2fp\xc4\x10" + fingerprint)
+    parts.append(b"\xa3key\xc4\x10")
+    key_off = sum(map(len, parts))
+    parts.append(bytes(KEY_NBYTES))
+    int_offs = []
+    for name in (b"n", b"pos", b"len", b"sum"):
+        parts.append(bytes((0xA0 | len(name),)) + name + b"\xcf")  # fixstr, uint64
+        int_offs.append(sum(map(len, parts)))
+        parts.append(bytes(8))
+    head = b"".join(parts)
+    prefix = _PREFIX.pack(MAGIC, len(head))
+    return prefix + head, len(prefix) + key_off, tuple(len(prefix) + o for o in int_offs)
+
+
+class ChunkCodec:
+    """Encodes and decodes chunk values for one layout.
+
+    ``encode`` gathers slab rows straight into the value (one numpy gather, no
+    intermediate copy); ``decode`` validates a value and returns a zero-copy view of
+    its blocks. Both are thread-safe (the codec holds no mutable state).
+    """
+
+    __slots__ = ("layout", "block_nbytes", "fingerprint", "_template", "_key_off", "_int_offs")
+
+    def __init__(self, layout: KVLayout) -> None:
+        self.layout = layout
+        self.block_nbytes: int = layout.block_nbytes
+        self.fingerprint: bytes = layout.fingerprint
+        self._template, self._key_off, self._int_offs = _fixed_header_template(self.fingerprint)
+
+    @property
+    def header_nbytes(self) -> int:
+        """Bytes in front of the payload of every value this codec encodes."""
+        return len(self._template)
+
+    def encoded_nbytes(self, n: int) -> int:
+        """Exact length of the value ``encode`` writes for ``n`` blocks."""
+        return len(self._template) + n * self.block_nbytes
+
+    def encode(
+        self,
+        key: bytes,
+        first_position: int,
+        src: np.ndarray,
+        rows: Sequence[int] | np.ndarray,
+    ) -> bytearray:
+        """The value holding blocks ``src[rows]``, in that order, from chain ``first_position``.
+
+        ``src`` is a 2-D uint8 array ``[num_slots, block_nbytes]`` (see ``byte_rows``);
+        ``rows`` are 1 or more row indices in ``[0, num_slots)``, in chain order. The
+        rows are gathered with one ``np.take`` straight into the returned buffer.
+        Raises ValueError / TypeError for bad arguments (a caller bug, not bad data).
+        """
+        if len(key) != KEY_NBYTES:
+            raise ValueError(f"chunk key must be {KEY_NBYTES} bytes, got {len(key)}")
+        if not 0 <= first_position <= _U64_MAX:
+            raise ValueError(f"first_position must be in [0, 2**64), got {first_position}")
+        bn = self.block_nbytes
+        if src.dtype != np.uint8 or src.ndim != 2 or src.shape[1] != bn:
+            raise TypeError(
+                f"src must be a uint8 array [num_slots, {bn}], got {src.dtype} {src.shape}"
+            )
+        idx = np.asarray(rows, dtype=np.intp)
+        if idx.ndim != 1 or idx.size == 0:
+            raise ValueError(f"rows must be a non-empty 1-D sequence, got shape {idx.shape}")
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= src.shape[0]:
+            raise ValueError(f"rows must be in [0, {src.shape[0]}), got {lo}..{hi}")
+        n = idx.size
+        hlen = len(self._template)
+        nbytes = n * bn
+        out = bytearray(hlen + nbytes)
+        payload = np.frombuffer(out, dtype=np.uint8, count=nbytes, offset=hlen).reshape(n, bn)
+        # mode="clip" (bounds checked above): numpy buffers `out` for mode="raise".
+        np.take(src, idx, axis=0, out=payload, mode="clip")
+        del payload
+        with memoryview(out) as mv:
+            checksum = xxhash.xxh3_64_intdigest(mv[hlen:], first_position)
+        out[:hlen] = self._template
+        out[self._key_off : self._key_off + KEY_NBYTES] = key
+        o_n, o_pos, o_len, o_sum = self._int_offs
+        struct.pack_into(">Q", out, o_n, n)
+        struct.pack_into(">Q", out, o_pos, first_position)
+        struct.pack_into(">Q", out, o_len, nbytes)
+        struct.pack_into(">Q", out, o_sum, checksum)
+        return out
+
+    def decode(
+        self, value: bytes | bytearray | memoryview, key: bytes
+    ) -> tuple[ChunkHeader, np.ndarray]:
+        """Validate ``value`` as the chunk stored under ``key``; return its header and blocks.
+
+        The blocks are a zero-copy ``[n, block_nbytes]`` uint8 view of the value
+        (read-only when the buffer is, e.g. ``bytes`` or an LMDB memoryview; valid
+        as long as the buffer is). The payload checksum is verified before
+        returning. Raises ``BadChunk`` (and nothing else) for any bad value.
+        """
+        mv = memoryview(value)
+        if mv.ndim != 1 or mv.itemsize != 1:
+            mv = mv.cast("B")
+        size = mv.nbytes
+        if size == 0:
+            raise BadChunk("empty", "expected a chunk value, found 0 bytes")
+        prefix_n = _PREFIX.size
+        if size < prefix_n:
+            head = bytes(mv[:4])
+            if head == MAGIC[: len(head)]:
+                raise BadChunk("truncated", f"expected >= {prefix_n} bytes, found {size}")
+            raise BadChunk("magic", f"expected magic {MAGIC!r}, found {head!r}")
+        magic, hlen = _PREFIX.unpack_from(mv)
+        if magic != MAGIC:
+            raise BadChunk("magic", f"expected magic {MAGIC!r}, found {magic!r}")
+        if not 1 <= hlen <= MAX_HEADER_NBYTES:
+            raise BadChunk("header", f"expected header length 1..{MAX_HEADER_NBYTES}, found {hlen}")
+        start = prefix_n + hlen
+        if size < start:
+            raise BadChunk(
+                "truncated", f"expected >= {start} bytes for a {hlen}-byte header, found {size}"
+            )
+        try:
+            h = msgpack.unpackb(
+                mv[prefix_n:start],
+                raw=False,
+                strict_map_key=True,
+                max_bin_len=64,
+                max_str_len=64,
+                max_array_len=16,
+                max_map_len=16,
+                max_ext_len=0,
+            )
+        except (ValueError, TypeError, msgpack.UnpackException) as e:
+            raise BadChunk(
+                "header", f"expected a msgpack map, found undecodable bytes ({e})"
+            ) from e
+        if type(h) is not dict:
+            raise BadChunk("header", f"expected a msgpack map, found {type(h).__name__}")
+        version = h.get("v")
+        if type(version) is not int:
+            raise BadChunk("header", f"expected an int format version 'v', found {version!r}")
+        if version != FORMAT_VERSION:
+            raise BadChunk("version", f"expected format {FORMAT_VERSION}, found {version}")
+        if h.keys() != _HEADER_KEYS:
+            raise BadChunk(
+                "header",
+                f"expected keys {sorted(_HEADER_KEYS)}, found {sorted(map(str, h.keys()))}",
+            )
+        fp, hkey, n, pos, length, checksum = (
+            h["fp"],
+            h["key"],
+            h["n"],
+            h["pos"],
+            h["len"],
+            h["sum"],
+        )
+        if type(fp) is not bytes or len(fp) != 16:
+            raise BadChunk("header", f"expected 16-byte bin 'fp', found {fp!r}")
+        if type(hkey) is not bytes or len(hkey) != KEY_NBYTES:
+            raise BadChunk("header", f"expected {KEY_NBYTES}-byte bin 'key', found {hkey!r}")
+        if type(n) is not int or n < 1:
+            raise BadChunk("header", f"expected int 'n' >= 1, found {n!r}")
+        if type(pos) is not int or pos < 0:
+            raise BadChunk("header", f"expected int 'pos' >= 0, found {pos!r}")
+        if type(length) is not int or length < 0:
+            raise BadChunk("header", f"expected int 'len' >= 0, found {length!r}")
+        if type(checksum) is not int or checksum < 0:
+            raise BadChunk("header", f"expected uint64 'sum', found {checksum!r}")
+        if fp != self.fingerprint:
+            raise BadChunk(
+                "layout",
+                f"expected layout {self.fingerprint.hex()} ({self.layout.describe()}), "
+                f"found {fp.hex()}",
+            )
+        if hkey != key:
+            raise BadChunk("key", f"expected key {bytes(key).hex()}, found {hkey.hex()}")
+        bn = self.block_nbytes
+        if length != n * bn:
+            raise BadChunk(
+                "length", f"expected len = {n} blocks x {bn} B = {n * bn}, found {length}"
+            )
+        present = size - start
+        if present < length:
+            raise BadChunk("truncated", f"expected {length} payload bytes, found {present}")
+        if present > length:
+            raise BadChunk("length", f"expected {length} payload bytes, found {present}")
+        actual = xxhash.xxh3_64_intdigest(mv[start:], pos)
+        if actual != checksum:
+            raise BadChunk("checksum", f"expected xxh3_64 {checksum:#018x}, found {actual:#018x}")
+        header = ChunkHeader(version, fp, hkey, n, pos, length, checksum)
+        blocks = np.frombuffer(mv, dtype=np.uint8, count=length, offset=start).reshape(n, bn)
+        return header, blocks
