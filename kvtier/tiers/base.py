@@ -1,0 +1,85 @@
+"""The interface every spill tier implements: a batched store of chunk values.
+
+A spill tier maps 16-byte chunk keys (the chained hash of a chunk's last block) to
+opaque values (``kvtier.chunk`` encodes and checks them; a tier never interprets
+them). Every method works on a batch: one LMDB transaction, one Redis pipeline.
+
+Errors: a method that cannot reach its store raises ``TierError`` (with the cause
+chained). The cache catches it, counts it, and treats the batch as missed or dropped;
+nothing a tier raises reaches the engine. A tier never pickles anything.
+
+Threads: a tier may be called from several I/O worker threads at once and must be
+safe for that (LMDB: one environment, a transaction per call; Redis: a connection
+pool).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+Buffer = bytes | bytearray | memoryview
+
+# Called once per present key, with the index of the key in the request and its value.
+# The buffer is valid only during the call (it may point into a memory map).
+ValueSink = Callable[[int, memoryview], None]
+
+
+class TierError(RuntimeError):
+    """The tier's store could not be reached or failed; the batch did not happen."""
+
+
+@dataclass(frozen=True)
+class TierUsage:
+    """What a tier holds now: values, their total bytes, and its capacity (None: unbounded)."""
+
+    entries: int
+    nbytes: int
+    capacity: int | None
+
+
+class SpillTier(ABC):
+    """A batched key -> value store for chunks, with its own chunk size."""
+
+    name: str  # "disk", "redis": the config section it was built from
+    chunk_blocks: int  # blocks per chunk written to this tier
+
+    @abstractmethod
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which keys are present, in one batch (one round trip / one transaction)."""
+
+    @abstractmethod
+    def get_many(self, keys: Sequence[bytes], sink: ValueSink) -> list[bool]:
+        """Call ``sink(i, value)`` for every present ``keys[i]``; returns which were present.
+
+        Reads are one batch; reading counts as a use for the tier's eviction order.
+        """
+
+    @abstractmethod
+    def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> int:
+        """Store (or overwrite) the values, one batch; returns how many were stored.
+
+        A full tier makes room by evicting its least recently used values; a value it
+        cannot hold at all is skipped (not stored, not an error).
+        """
+
+    @abstractmethod
+    def delete_many(self, keys: Sequence[bytes]) -> int:
+        """Remove the keys that are present; returns how many were removed."""
+
+    @abstractmethod
+    def keys(self) -> Iterator[bytes]:
+        """Every key this tier holds in its namespace (for inspection; may be slow)."""
+
+    @abstractmethod
+    def clear(self) -> int:
+        """Delete every value in this tier's namespace; returns how many."""
+
+    @abstractmethod
+    def usage(self) -> TierUsage:
+        """What the tier holds now."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release connections and handles; the tier is unusable afterwards."""

@@ -1,0 +1,561 @@
+"""The disk tier: chunk values in one LMDB environment, with LRU eviction kept in LMDB.
+
+On-disk schema
+--------------
+One LMDB environment (a directory holding ``data.mdb`` and ``lock.mdb``) with four
+named sub-databases. Integers are 8-byte big-endian, so byte order is numeric order.
+
+=========  ==============================  ===========================================
+database   key                             value
+=========  ==============================  ===========================================
+``data``   chunk key (16 bytes, as given)  the chunk value (opaque bytes, may be empty)
+``atime``  chunk key                       sequence number of its last use (8 bytes)
+``lru``    sequence number + chunk key     ``b""`` (an index: first entry = LRU value)
+``meta``   ``b"version"``                  schema version (8 bytes, now 1)
+           ``b"nbytes"``                   total bytes of all values in ``data``
+           ``b"seq"``                      the next sequence number
+=========  ==============================  ===========================================
+
+Every key in ``data`` has exactly one ``atime`` entry and one ``lru`` entry, and
+``meta[nbytes]`` is the sum of the lengths of the ``data`` values. Every method keeps
+these invariants inside a single transaction, so they hold in every committed state;
+the number of entries is ``data``'s B-tree count (no separate counter).
+
+Eviction protocol
+-----------------
+A use (a put, or a read that found the key) takes the next sequence number from
+``meta[seq]``, deletes the key's old ``lru`` entry and writes the new one, so the
+start of ``lru`` is always the least recently used key. ``put_many`` runs in one write
+transaction: for each value it first removes an overwritten value's bytes from the
+total, then, while ``nbytes + len(value) > capacity``, deletes the first ``lru`` entry
+together with its ``data`` and ``atime`` entries, then writes the value. A value longer
+than ``capacity`` is skipped (not stored, nothing evicted). Within one batch a later
+value may evict an earlier one; ``put_many`` counts both as stored. ``get_many`` reads in one
+read transaction (values are handed to the sink zero-copy, straight out of the memory
+map) and then bumps the found keys in one short write transaction. Opening a store
+with a smaller ``capacity`` than it holds evicts down to the new capacity at once.
+
+The memory map grows on demand: it starts at ``min(1.25 * capacity + 16 MiB, 64 MiB)``
+(or the ``map_size`` argument, or the size the store already has) and doubles on
+``MapFullError`` up to ``1.5 * capacity + 64 MiB`` (room for B-tree pages, the
+``atime``/``lru`` indexes and pages LMDB cannot reuse while readers hold old
+snapshots); the failed batch is then retried. A store fuller than that raises
+``TierError``.
+
+Durability
+----------
+The environment is opened with ``sync=False, metasync=False``: commits are not
+fsynced (``close()`` and ``flush()`` do that). LMDB never overwrites live pages (a
+copy-on-write B-tree whose root is switched by the meta page as the last write of a
+commit), so a crashed *process* leaves exactly the last committed state. After an
+*OS* crash or power loss the most recent commits may be lost; the store stays
+consistent as long as the file system keeps the order of writes (LMDB's documented
+condition for ``MDB_NOSYNC``). That trade is right for a cache.
+
+Threads and processes
+---------------------
+One ``lmdb.Environment`` per tier, shared by all threads; each call opens its own
+transaction in the calling thread (never shared, never kept across calls). Read
+transactions run in parallel; write transactions are serialized by LMDB's writer lock,
+which also serializes writers in other processes (``lock=True``), so several processes
+on one machine may use the same directory at once, and the accounting in ``meta`` stays
+exact because it is only changed inside write transactions.
+
+``env.set_mapsize`` needs every transaction of this process to be closed, so calls take
+a shared lock around their transaction and a resize takes it exclusively (a small
+readers-writer lock that prefers the resizer). A resize happens on ``MapFullError``
+(grow this process's map) or ``MapResizedError`` (another process grew the store beyond
+this process's map: adopt its size with ``set_mapsize(0)``); the batch is retried.
+
+LMDB forbids opening one environment twice in one process (closing either copy drops
+the other's file locks), so a second ``LMDBTier`` on an open path raises ``TierError``.
+Do not use a tier across ``fork()``; open it in the child.
+
+Every other ``lmdb.Error`` (a directory that cannot be written, a full disk, a corrupt
+file) is raised as ``TierError`` with the LMDB error chained.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
+
+import lmdb
+
+from kvtier.tiers.base import Buffer, SpillTier, TierError, TierUsage, ValueSink
+
+if TYPE_CHECKING:
+    from kvtier.config import DiskTierConfig
+
+__all__ = ["LMDBTier"]
+
+MiB = 1 << 20
+SCHEMA_VERSION = 1
+INITIAL_MAP_CAP = 64 * MiB  # the map starts at most this big ...
+MAP_SLACK = 64 * MiB  # ... and grows to at most capacity * MAP_GROWTH_LIMIT + MAP_SLACK
+MAP_GROWTH_LIMIT = 1.5
+MAX_READERS = 512  # reader slots for all processes together (one per open read txn)
+MAX_RESIZE_RETRIES = 64  # map resizes one call may go through before it gives up
+KEYS_PAGE = 1024  # keys() reads this many keys per read transaction
+
+_VERSION, _NBYTES, _SEQ = b"version", b"nbytes", b"seq"
+_SEQ_LEN = 8
+T = TypeVar("T")
+
+
+def _u64(n: int) -> bytes:
+    return n.to_bytes(8, "big")
+
+
+def _int(b: Buffer | None) -> int:
+    return 0 if b is None else int.from_bytes(b, "big")
+
+
+class _SharedExclusiveLock:
+    """Many holders of ``shared()`` or one of ``exclusive()``; a waiting exclusive
+    holder stops new shared holders, so a resize is never starved. Not re-entrant."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._shared = 0
+        self._exclusive = False
+        self._waiting = 0
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            while self._exclusive or self._waiting:
+                self._cond.wait()
+            self._shared += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._shared -= 1
+                if not self._shared:
+                    self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            self._waiting += 1
+            try:
+                while self._exclusive or self._shared:
+                    self._cond.wait()
+            finally:
+                self._waiting -= 1
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
+
+
+# Directories (by device and inode) with an open LMDBTier in this process.
+_open_stores: set[tuple[int, int]] = set()
+_open_stores_lock = threading.Lock()
+
+
+class LMDBTier(SpillTier):
+    """A disk spill tier: an LMDB store of at most ``capacity`` value bytes, LRU-evicted.
+
+    ``map_size`` overrides the initial memory-map size (bytes; it grows on demand).
+    Raises ``TierError`` if the store cannot be opened, ``ValueError`` for bad arguments.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        capacity: int,
+        chunk_blocks: int,
+        name: str = "disk",
+        *,
+        map_size: int | None = None,
+    ) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"capacity: expected a positive number of bytes, got {capacity!r}")
+        if isinstance(chunk_blocks, bool) or not isinstance(chunk_blocks, int) or chunk_blocks < 1:
+            raise ValueError(f"chunk_blocks: expected a positive int, got {chunk_blocks!r}")
+        self.name = name
+        self.chunk_blocks = chunk_blocks
+        self.path = Path(path)
+        self.capacity = capacity
+        self.max_map_size = int(capacity * MAP_GROWTH_LIMIT) + MAP_SLACK
+        initial = map_size or min(int(capacity * 1.25) + MAP_SLACK // 4, INITIAL_MAP_CAP)
+        self._lock = _SharedExclusiveLock()
+        self._stats_lock = threading.Lock()
+        self._evictions = 0
+        self._env: lmdb.Environment | None = None
+
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            st = os.stat(self.path)
+        except OSError as e:
+            raise TierError(f"{name}: cannot create the LMDB directory {self.path}: {e}") from e
+        self._store_id = (st.st_dev, st.st_ino)
+        with _open_stores_lock:
+            if self._store_id in _open_stores:
+                raise TierError(
+                    f"{name}: the LMDB store {self.path} is already open in this process"
+                )
+            _open_stores.add(self._store_id)
+        try:
+            self._env = lmdb.open(
+                str(self.path),
+                map_size=initial,
+                subdir=True,
+                readonly=False,
+                lock=True,
+                writemap=False,
+                metasync=False,
+                sync=False,
+                readahead=False,
+                max_dbs=8,
+                max_readers=MAX_READERS,
+                max_spare_txns=8,
+            )
+            self._env.reader_check()  # free reader slots of processes that died
+            self._init_schema()
+        except BaseException as e:
+            self._release()
+            if isinstance(e, TierError):
+                raise
+            if isinstance(e, lmdb.Error):
+                raise TierError(f"{name}: cannot open the LMDB store {self.path}: {e}") from e
+            raise
+
+    @classmethod
+    def from_config(cls, cfg: DiskTierConfig) -> LMDBTier:
+        """The tier described by a ``tiers.disk`` config section."""
+        return cls(cfg.resolved_path, cfg.capacity, cfg.chunk_blocks, name="disk")
+
+    # --- opening and closing -------------------------------------------------------
+
+    def _init_schema(self) -> None:
+        env = self._env
+        assert env is not None
+
+        def init(txn: lmdb.Transaction) -> None:
+            with txn.cursor() as cur:
+                fresh = not cur.first()  # nothing in the main database: a new store
+            self._data = env.open_db(b"data", txn=txn)
+            self._atime = env.open_db(b"atime", txn=txn)
+            self._lru = env.open_db(b"lru", txn=txn)
+            self._meta = env.open_db(b"meta", txn=txn)
+            version = txn.get(_VERSION, db=self._meta)
+            if version is None:
+                if not fresh:
+                    raise TierError(f"{self.name}: {self.path} is an LMDB store but not kvtier's")
+                txn.put(_VERSION, _u64(SCHEMA_VERSION), db=self._meta)
+                txn.put(_NBYTES, _u64(0), db=self._meta)
+                txn.put(_SEQ, _u64(0), db=self._meta)
+            elif _int(version) != SCHEMA_VERSION:
+                raise TierError(
+                    f"{self.name}: {self.path} has kvtier LMDB schema version {_int(version)}, "
+                    f"this kvtier reads version {SCHEMA_VERSION}"
+                )
+
+        self._run(init, write=True)
+        if self.usage().nbytes > self.capacity:  # reopened with a smaller capacity
+
+            def shrink(txn: lmdb.Transaction) -> int:
+                total, evicted = self._evict(txn, _int(txn.get(_NBYTES, db=self._meta)), 0)
+                txn.put(_NBYTES, _u64(total), db=self._meta)
+                return evicted
+
+            self._count_evictions(self._run(shrink, write=True))
+
+    def _release(self) -> None:
+        if self._env is not None:
+            env, self._env = self._env, None
+            env.close()
+        with _open_stores_lock:
+            _open_stores.discard(self._store_id)
+
+    def flush(self) -> None:
+        """Force committed writes to disk (fsync); ``close()`` does this too."""
+        with self._lock.shared():
+            env = self._check_open()
+            try:
+                env.sync(True)
+            except lmdb.Error as e:
+                raise TierError(f"{self.name}: LMDB sync failed: {e}") from e
+
+    def close(self) -> None:
+        """Flush and close the environment; safe to call more than once."""
+        with self._lock.exclusive():
+            if self._env is None:
+                return
+            try:
+                self._env.sync(True)
+            except lmdb.Error:
+                pass  # a cache: losing unsynced commits is allowed, closing must not fail
+            finally:
+                self._release()
+
+    def __enter__(self) -> LMDBTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._env is None else "open"
+        return f"LMDBTier({str(self.path)!r}, capacity={self.capacity}, {state})"
+
+    # --- transactions, map resizing ------------------------------------------------
+
+    def _check_open(self) -> lmdb.Environment:
+        if self._env is None:
+            raise TierError(f"{self.name}: the LMDB tier is closed")
+        return self._env
+
+    def _run(self, fn: Callable[[lmdb.Transaction], T], *, write: bool) -> T:
+        """``fn(txn)`` in one transaction (``buffers=True``), committed if ``write``.
+
+        A full map is grown and a map another process grew is adopted, then ``fn``
+        runs again in a new transaction; other LMDB errors become ``TierError``.
+        """
+        for _ in range(MAX_RESIZE_RETRIES):
+            with self._lock.shared():
+                env = self._check_open()
+                try:
+                    with env.begin(write=write, buffers=True) as txn:
+                        return fn(txn)
+                except lmdb.MapFullError:
+                    grow = True
+                except lmdb.MapResizedError:
+                    grow = False
+                except lmdb.Error as e:
+                    raise self._error(e) from e
+                seen = env.info()["map_size"]  # only changes under the exclusive lock
+            self._resize(grow, seen)
+        raise TierError(f"{self.name}: LMDB map size kept changing; gave up after retries")
+
+    def _resize(self, grow: bool, seen: int) -> None:
+        with self._lock.exclusive():
+            env = self._check_open()
+            try:
+                if env.info()["map_size"] != seen:
+                    return  # another thread resized meanwhile: just retry
+                # Adopt the store's size first: another process may have grown it.
+                env.set_mapsize(0)
+                size = env.info()["map_size"]
+                if grow and size <= seen:
+                    if seen >= self.max_map_size:
+                        raise TierError(
+                            f"{self.name}: LMDB map is full at its limit of {self.max_map_size} B "
+                            f"(capacity {self.capacity} B)"
+                        )
+                    env.set_mapsize(min(max(seen, size) * 2, self.max_map_size))
+            except lmdb.Error as e:
+                raise self._error(e) from e
+
+    def _error(self, e: lmdb.Error) -> TierError:
+        return TierError(f"{self.name}: LMDB error on {self.path}: {e}")
+
+    # --- accounting helpers (inside a write txn) -------------------------------------
+
+    def _touch(self, txn: lmdb.Transaction, key: bytes, seq: int, *, bump: bool = False) -> bool:
+        """Make ``key`` the most recently used, with sequence number ``seq``.
+
+        ``bump``: only if it is still stored (a read's key may have been deleted since);
+        returns whether it was touched.
+        """
+        stamp = _u64(seq)
+        old = txn.replace(key, stamp, db=self._atime)  # a copy of the old stamp
+        if old is not None:
+            txn.delete(old + key, db=self._lru)
+        elif bump:  # gone since it was read: leave it gone
+            txn.delete(key, db=self._atime)
+            return False
+        txn.put(stamp + key, b"", db=self._lru)
+        return True
+
+    def _remove(self, txn: lmdb.Transaction, key: bytes) -> int:
+        """Delete ``key`` from all databases; returns its value's length (-1: absent)."""
+        value = txn.get(key, db=self._data)
+        if value is None:
+            return -1
+        size = len(value)
+        txn.delete(key, db=self._data)
+        stamp = txn.get(key, db=self._atime)
+        if stamp is not None:
+            txn.delete(bytes(stamp) + key, db=self._lru)
+            txn.delete(key, db=self._atime)
+        return size
+
+    def _evict(self, txn: lmdb.Transaction, total: int, room: int) -> tuple[int, int]:
+        """Delete LRU entries until ``room`` more bytes fit beside ``total`` bytes.
+
+        Returns the new total and how many values went. The caller writes the total
+        to ``meta`` and counts the evictions once its transaction has committed.
+        """
+        evicted = 0
+        with txn.cursor(db=self._lru) as cur:
+            while total + room > self.capacity and cur.first():
+                key = bytes(cur.key()[_SEQ_LEN:])
+                cur.delete()
+                txn.delete(key, db=self._atime)
+                value = txn.get(key, db=self._data)
+                if value is not None:
+                    total -= len(value)
+                    txn.delete(key, db=self._data)
+                evicted += 1
+        return total, evicted
+
+    def _count_evictions(self, n: int) -> None:
+        if n:
+            with self._stats_lock:
+                self._evictions += n
+
+    @property
+    def evictions(self) -> int:
+        """Values this process evicted to make room since the tier was opened."""
+        return self._evictions
+
+    @property
+    def map_size(self) -> int:
+        """The current size of this process's memory map of the store, in bytes."""
+        with self._lock.shared():
+            return self._check_open().info()["map_size"]
+
+    # --- SpillTier -----------------------------------------------------------------
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        if not keys:
+            self._check_open()
+            return []
+        data = self._data
+        return self._run(lambda txn: [txn.get(k, db=data) is not None for k in keys], write=False)
+
+    def get_many(self, keys: Sequence[bytes], sink: ValueSink) -> list[bool]:
+        if not keys:
+            self._check_open()
+            return []
+        data = self._data
+
+        def read(txn: lmdb.Transaction) -> list[bool]:
+            found = [False] * len(keys)
+            for i, key in enumerate(keys):
+                value = txn.get(key, db=data)
+                if value is not None:
+                    sink(i, value)  # a memoryview into the map, valid during this txn
+                    found[i] = True
+            return found
+
+        found = self._run(read, write=False)
+        hits = list(dict.fromkeys(bytes(k) for k, f in zip(keys, found) if f))
+        if hits:
+
+            def bump(txn: lmdb.Transaction) -> None:
+                seq = _int(txn.get(_SEQ, db=self._meta))
+                for key in hits:
+                    seq += self._touch(txn, key, seq, bump=True)
+                txn.put(_SEQ, _u64(seq), db=self._meta)
+
+            self._run(bump, write=True)
+        return found
+
+    def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> int:
+        if not items:
+            self._check_open()
+            return 0
+        capacity = self.capacity
+        data, meta = self._data, self._meta
+
+        def put(txn: lmdb.Transaction) -> tuple[int, int]:
+            total = _int(txn.get(_NBYTES, db=meta))
+            seq = _int(txn.get(_SEQ, db=meta))
+            stored = evicted = 0
+            for key, value in items:
+                key = bytes(key)
+                size = memoryview(value).nbytes
+                if size > capacity:
+                    continue
+                old = txn.get(key, db=data)
+                if old is not None:
+                    total -= len(old)
+                    stamp = txn.get(key, db=self._atime)
+                    if stamp is not None:  # keep it out of the eviction below
+                        txn.delete(bytes(stamp) + key, db=self._lru)
+                        txn.delete(key, db=self._atime)
+                if total + size > capacity:
+                    total, n = self._evict(txn, total, size)
+                    evicted += n
+                txn.put(key, value, db=data)
+                self._touch(txn, key, seq)
+                seq += 1
+                total += size
+                stored += 1
+            txn.put(_NBYTES, _u64(total), db=meta)
+            txn.put(_SEQ, _u64(seq), db=meta)
+            return stored, evicted
+
+        stored, evicted = self._run(put, write=True)
+        self._count_evictions(evicted)  # only once the batch has committed
+        return stored
+
+    def delete_many(self, keys: Sequence[bytes]) -> int:
+        if not keys:
+            self._check_open()
+            return 0
+
+        def delete(txn: lmdb.Transaction) -> int:
+            total = _int(txn.get(_NBYTES, db=self._meta))
+            removed = 0
+            for key in keys:
+                size = self._remove(txn, bytes(key))
+                if size >= 0:
+                    total -= size
+                    removed += 1
+            txn.put(_NBYTES, _u64(total), db=self._meta)
+            return removed
+
+        return self._run(delete, write=True)
+
+    def keys(self) -> Iterator[bytes]:
+        """Every key, in key order; read in pages, so no transaction stays open between
+        items (keys written or deleted while iterating may or may not show up)."""
+        after: bytes | None = None
+        while True:
+
+            def page(txn: lmdb.Transaction, after: bytes | None = after) -> list[bytes]:
+                out: list[bytes] = []
+                with txn.cursor(db=self._data) as cur:
+                    ok = cur.first() if after is None else cur.set_range(after)
+                    while ok and len(out) < KEYS_PAGE:
+                        key = bytes(cur.key())
+                        if key != after:
+                            out.append(key)
+                        ok = cur.next()
+                return out
+
+            keys = self._run(page, write=False)
+            if not keys:
+                return
+            yield from keys
+            after = keys[-1]
+
+    def clear(self) -> int:
+        def clear(txn: lmdb.Transaction) -> int:
+            n = txn.stat(self._data)["entries"]
+            for db in (self._data, self._atime, self._lru):
+                txn.drop(db, delete=False)
+            txn.put(_NBYTES, _u64(0), db=self._meta)
+            return n
+
+        return self._run(clear, write=True)
+
+    def usage(self) -> TierUsage:
+        def usage(txn: lmdb.Transaction) -> TierUsage:
+            entries = txn.stat(self._data)["entries"]
+            return TierUsage(entries, _int(txn.get(_NBYTES, db=self._meta)), self.capacity)
+
+        return self._run(usage, write=False)

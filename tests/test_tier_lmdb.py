@@ -1,0 +1,460 @@
+"""Tests for kvtier.tiers.lmdb: the SpillTier contract, LRU eviction, map growth,
+restarts and several processes on one store, and errors raised as TierError."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import lmdb
+import pytest
+from tier_contract import TierContract, make_key, make_value, read_all
+
+from kvtier.config import DiskTierConfig
+from kvtier.tiers.base import TierError
+from kvtier.tiers.lmdb import INITIAL_MAP_CAP, LMDBTier
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+
+
+@pytest.fixture
+def open_tier(tmp_path: Path) -> Iterator[type[LMDBTier]]:
+    """``LMDBTier`` that closes every tier it made at teardown."""
+    made: list[LMDBTier] = []
+
+    class Tracked(LMDBTier):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+            made.append(self)
+
+    yield Tracked
+    for tier in made:
+        tier.close()
+
+
+def small_tier(open_tier: type[LMDBTier], path: Path, capacity: int = 4000) -> LMDBTier:
+    return open_tier(path, capacity=capacity, chunk_blocks=4)
+
+
+def present(tier: LMDBTier, keys: list[bytes]) -> list[int]:
+    return [i for i, p in enumerate(tier.contains_many(keys)) if p]
+
+
+def run_child(script: str, *args: object, timeout: float = 30) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS)]))
+    code = textwrap.dedent(script)
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *map(str, args)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 30) -> str:
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, f"child failed ({proc.returncode}):\n{out}\n{err}"
+    return out
+
+
+class TestLMDBContract(TierContract):
+    @pytest.fixture
+    def tier(self, tmp_path: Path) -> Iterator[LMDBTier]:
+        tier = LMDBTier(tmp_path / "store", capacity=64 * MiB, chunk_blocks=16)
+        yield tier
+        tier.close()
+
+
+# --- eviction ----------------------------------------------------------------------
+
+
+def test_lru_eviction_evicts_the_least_recently_used(open_tier, tmp_path: Path) -> None:
+    tier = small_tier(open_tier, tmp_path)
+    keys = [make_key("lru", i) for i in range(5)]
+    tier.put_many([(k, b"v" * 1000) for k in keys[:4]])  # exactly full
+    read_all(tier, [keys[0]])  # k0 is now the most recently used
+    assert tier.put_many([(keys[4], b"w" * 1000)]) == 1
+    assert present(tier, keys) == [0, 2, 3, 4]
+    assert tier.usage().nbytes == 4000
+    assert tier.evictions == 1
+
+
+def test_contains_is_not_a_use(open_tier, tmp_path: Path) -> None:
+    tier = small_tier(open_tier, tmp_path)
+    keys = [make_key("c", i) for i in range(5)]
+    tier.put_many([(k, b"v" * 1000) for k in keys[:4]])
+    tier.contains_many([keys[0]])
+    tier.put_many([(keys[4], b"w" * 1000)])
+    assert present(tier, keys) == [1, 2, 3, 4]
+
+
+def test_overwrite_is_a_use(open_tier, tmp_path: Path) -> None:
+    tier = small_tier(open_tier, tmp_path)
+    keys = [make_key("o", i) for i in range(5)]
+    tier.put_many([(k, b"v" * 1000) for k in keys[:4]])
+    tier.put_many([(keys[0], b"u" * 1000)])
+    tier.put_many([(keys[4], b"w" * 1000)])
+    assert present(tier, keys) == [0, 2, 3, 4]
+    assert read_all(tier, [keys[0]])[1] == {0: b"u" * 1000}
+
+
+def test_eviction_frees_as_many_values_as_needed(open_tier, tmp_path: Path) -> None:
+    tier = small_tier(open_tier, tmp_path)
+    keys = [make_key("m", i) for i in range(5)]
+    tier.put_many([(k, b"v" * 1000) for k in keys[:4]])
+    tier.put_many([(keys[4], b"w" * 2500)])
+    assert present(tier, keys) == [3, 4]
+    assert tier.usage().nbytes == 3500
+
+
+def test_value_larger_than_capacity_is_skipped(open_tier, tmp_path: Path) -> None:
+    tier = small_tier(open_tier, tmp_path)
+    keys = [make_key("big", i) for i in range(3)]
+    tier.put_many([(keys[0], b"v" * 3000)])
+    assert tier.put_many([(keys[1], b"x" * 4001), (keys[2], b"y" * 1000)]) == 1
+    assert present(tier, keys) == [0, 2]
+    assert tier.evictions == 0
+
+
+def test_a_batch_larger_than_capacity_keeps_its_newest_values(open_tier, tmp_path) -> None:
+    tier = small_tier(open_tier, tmp_path)
+    keys = [make_key("batch", i) for i in range(10)]
+    assert tier.put_many([(k, make_value(k, 1000)) for k in keys]) == 10  # all written
+    assert present(tier, keys) == [6, 7, 8, 9]
+    assert read_all(tier, keys[6:])[1] == {i: make_value(k, 1000) for i, k in enumerate(keys[6:])}
+
+
+def test_accounting_matches_contents_under_random_load(open_tier, tmp_path: Path) -> None:
+    tier = small_tier(open_tier, tmp_path, capacity=20_000)
+    rng = random.Random(7)
+    keys = [make_key("rand", i) for i in range(40)]
+    for _ in range(150):
+        op = rng.random()
+        batch = rng.sample(keys, rng.randint(1, 6))
+        if op < 0.6:
+            tier.put_many([(k, make_value(k, rng.randint(0, 5000))) for k in batch])
+        elif op < 0.8:
+            read_all(tier, batch)
+        else:
+            tier.delete_many(batch)
+        held = list(tier.keys())
+        found, got = read_all(tier, held)
+        assert all(found)
+        usage = tier.usage()
+        assert usage.entries == len(held)
+        assert usage.nbytes == sum(map(len, got.values())) <= 20_000
+    assert tier.evictions > 0
+
+
+# --- the memory map ------------------------------------------------------------------
+
+
+def test_initial_map_is_small_for_a_large_capacity(open_tier, tmp_path: Path) -> None:
+    tier = open_tier(tmp_path / "s", capacity=16 * GiB, chunk_blocks=16)
+    assert tier.map_size == INITIAL_MAP_CAP
+    assert (tmp_path / "s" / "data.mdb").stat().st_size < INITIAL_MAP_CAP
+
+
+def test_map_grows_to_hold_more_data(open_tier, tmp_path: Path) -> None:
+    tier = open_tier(tmp_path / "s", capacity=64 * MiB, chunk_blocks=4, map_size=1 * MiB)
+    env_start = tier._env.info()["map_size"]
+    keys = [make_key("grow", i) for i in range(128)]
+    for i in range(0, 128, 16):
+        assert tier.put_many([(k, make_value(k, 64 * KiB)) for k in keys[i : i + 16]]) == 16
+    assert env_start == 1 * MiB
+    assert tier._env.info()["map_size"] >= 8 * MiB
+    found, got = read_all(tier, keys)
+    assert all(found)
+    assert got == {i: make_value(k, 64 * KiB) for i, k in enumerate(keys)}
+
+
+def test_threads_grow_the_map_while_others_read(open_tier, tmp_path: Path) -> None:
+    tier = open_tier(tmp_path / "s", capacity=64 * MiB, chunk_blocks=4, map_size=1 * MiB)
+    seed = [make_key("seed", i) for i in range(4)]
+    tier.put_many([(k, make_value(k, 4 * KiB)) for k in seed])
+    errors: list[BaseException] = []
+
+    def writer(t: int) -> None:
+        try:
+            for b in range(8):
+                keys = [make_key("tg", t, b, j) for j in range(8)]
+                assert tier.put_many([(k, make_value(k, 64 * KiB)) for k in keys]) == 8
+                assert read_all(tier, keys)[1] == {
+                    i: make_value(k, 64 * KiB) for i, k in enumerate(keys)
+                }
+        except BaseException as e:
+            errors.append(e)
+
+    def reader() -> None:
+        try:
+            for _ in range(50):
+                found, got = read_all(tier, seed)
+                assert got == {i: make_value(k, 4 * KiB) for i, k in enumerate(seed)}
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(t,)) for t in range(3)]
+    threads.append(threading.Thread(target=reader))
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=30)
+    if errors:
+        raise errors[0]
+    assert tier.map_size >= 12 * MiB
+    assert tier.usage().entries == 4 + 3 * 8 * 8
+
+
+def test_map_full_at_its_limit_raises_tier_error(open_tier, tmp_path: Path) -> None:
+    tier = open_tier(tmp_path / "s", capacity=64 * MiB, chunk_blocks=4, map_size=1 * MiB)
+    tier.put_many([(make_key("kept"), b"k" * 1000)])
+    tier.max_map_size = tier.map_size  # pretend the limit is reached
+    with pytest.raises(TierError, match="map is full"):
+        tier.put_many([(make_key("f", i), b"x" * 256 * KiB) for i in range(8)])
+    assert read_all(tier, [make_key("kept")])[1] == {0: b"k" * 1000}
+    assert tier.usage().entries == 1  # the failed batch left nothing behind
+
+
+# --- restarts and processes ----------------------------------------------------------
+
+WRITER = """
+    import sys
+    from kvtier.tiers.lmdb import LMDBTier
+    from tier_contract import make_key, make_value
+    path, n = sys.argv[1], int(sys.argv[2])
+    tier = LMDBTier(path, capacity=64 << 20, chunk_blocks=16)
+    tier.put_many([(make_key("restart", i), make_value(make_key("restart", i), 100 * i))
+                   for i in range(n)])
+    print(tier.usage().nbytes)
+    # no close(): a process that exits (or dies) after a commit keeps it
+"""
+
+
+def test_restart_in_a_new_process_keeps_values(open_tier, tmp_path: Path) -> None:
+    out = finish(run_child(WRITER, tmp_path / "s", 50))
+    assert int(out) == sum(100 * i for i in range(50))
+    tier = open_tier(tmp_path / "s", capacity=64 * MiB, chunk_blocks=16)
+    keys = [make_key("restart", i) for i in range(50)]
+    found, got = read_all(tier, keys)
+    assert all(found)
+    assert got == {i: make_value(k, 100 * i) for i, k in enumerate(keys)}
+    assert tier.usage().nbytes == int(out)
+
+
+def test_accounting_and_lru_order_survive_reopen(open_tier, tmp_path: Path) -> None:
+    keys = [make_key("reopen", i) for i in range(5)]
+    with LMDBTier(tmp_path / "s", capacity=4000, chunk_blocks=4) as tier:
+        tier.put_many([(k, b"v" * 1000) for k in keys[:4]])
+        read_all(tier, [keys[0]])
+        before = tier.usage()
+    tier = small_tier(open_tier, tmp_path / "s")
+    assert tier.usage() == before
+    tier.put_many([(keys[4], b"w" * 1000)])
+    assert present(tier, keys) == [0, 2, 3, 4]
+
+
+def test_reopen_with_a_smaller_capacity_evicts_oldest(open_tier, tmp_path: Path) -> None:
+    keys = [make_key("shrink", i) for i in range(4)]
+    with LMDBTier(tmp_path / "s", capacity=4000, chunk_blocks=4) as tier:
+        tier.put_many([(k, b"v" * 1000) for k in keys])
+    tier = small_tier(open_tier, tmp_path / "s", capacity=2500)
+    assert present(tier, keys) == [2, 3]
+    assert tier.usage().nbytes == 2000
+
+
+SHARER = """
+    import sys, time
+    from pathlib import Path
+    from kvtier.tiers.lmdb import LMDBTier
+    from tier_contract import make_key, make_value, read_all
+    path, me, other, sync = sys.argv[1], sys.argv[2], sys.argv[3], Path(sys.argv[4])
+
+    def wait_for(name):
+        deadline = time.monotonic() + 20
+        while not (sync / name).exists():
+            assert time.monotonic() < deadline, f"timed out waiting for {name}"
+            time.sleep(0.005)
+
+    tier = LMDBTier(path, capacity=256 << 20, chunk_blocks=16, map_size=1 << 20)
+    (sync / f"ready-{me}").touch()
+    wait_for("go")
+    mine = [make_key(me, i) for i in range(400)]
+    theirs = [make_key(other, i) for i in range(400)]
+    for b in range(0, 400, 16):  # 400 x 16 KiB: both processes grow the map
+        batch = mine[b : b + 16]
+        assert tier.put_many([(k, make_value(k, 16 << 10)) for k in batch]) == 16
+        found, got = read_all(tier, batch)
+        assert got == {i: make_value(k, 16 << 10) for i, k in enumerate(batch)}
+        tier.contains_many(theirs)
+    (sync / f"done-{me}").touch()
+    wait_for(f"done-{other}")
+    for keys in (mine, theirs):
+        found, got = read_all(tier, keys)
+        assert all(found), f"{found.count(False)} keys missing"
+        assert got == {i: make_value(k, 16 << 10) for i, k in enumerate(keys)}
+    print(tier.usage().entries, tier.map_size)
+    tier.close()
+"""
+
+
+def test_two_processes_share_one_store(open_tier, tmp_path: Path) -> None:
+    sync = tmp_path / "sync"
+    sync.mkdir()
+    store = tmp_path / "s"
+    procs = [run_child(SHARER, store, me, other, sync) for me, other in (("a", "b"), ("b", "a"))]
+    deadline = time.monotonic() + 20
+    while not all((sync / f"ready-{me}").exists() for me in "ab"):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), [
+            p.communicate() for p in procs if p.poll() is not None
+        ]
+        time.sleep(0.01)
+    (sync / "go").touch()
+    outs = [finish(p) for p in procs]
+    for out in outs:
+        entries, map_size = map(int, out.split())
+        assert entries == 800
+        assert map_size > 1 * MiB
+    tier = open_tier(store, capacity=256 * MiB, chunk_blocks=16)
+    assert tier.usage().entries == 800
+    assert tier.usage().nbytes == 800 * 16 * KiB
+
+
+# --- errors --------------------------------------------------------------------------
+
+
+def _make_read_only(directory: Path) -> Callable[[], None] | None:
+    """Make ``directory`` unwritable; returns the undo, or None where that cannot work.
+
+    As root, mode bits are not enforced; the immutable attribute (``chattr +i``) is.
+    """
+    directory.chmod(0o500)
+    try:
+        (directory / "probe").touch()
+    except PermissionError:
+        return lambda: directory.chmod(0o700)
+    (directory / "probe").unlink()
+    directory.chmod(0o700)
+    chattr = shutil.which("chattr")
+    if not chattr or subprocess.run([chattr, "+i", str(directory)], capture_output=True).returncode:
+        return None
+    return lambda: subprocess.run([chattr, "-i", str(directory)], check=True)
+
+
+def test_read_only_directory_raises_tier_error(tmp_path: Path) -> None:
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    undo = _make_read_only(ro)
+    if undo is None:
+        pytest.skip("cannot make a directory read-only here (root without chattr +i)")
+    try:
+        with pytest.raises(TierError, match="cannot open") as info:
+            LMDBTier(ro, capacity=1 * MiB, chunk_blocks=4)
+        assert isinstance(info.value.__cause__, lmdb.Error)
+    finally:
+        undo()
+
+
+def test_path_under_a_regular_file_raises_tier_error(tmp_path: Path) -> None:
+    (tmp_path / "afile").write_bytes(b"not a directory")
+    with pytest.raises(TierError, match="cannot create") as info:
+        LMDBTier(tmp_path / "afile" / "db", capacity=1 * MiB, chunk_blocks=4)
+    assert isinstance(info.value.__cause__, OSError)
+
+
+FULL_DISK = """
+    import resource, signal, sys
+    from kvtier.tiers.base import TierError
+    from kvtier.tiers.lmdb import LMDBTier
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, resource.RLIM_INFINITY))
+    tier = LMDBTier(sys.argv[1], capacity=64 << 20, chunk_blocks=4)
+    assert tier.put_many([(b"k" * 16, b"small")]) == 1
+    try:
+        tier.put_many([(b"b" * 16, b"x" * (4 << 20))])
+    except TierError as e:
+        print("TierError", type(e.__cause__).__name__, e)
+    else:
+        print("stored")
+    found = tier.contains_many([b"k" * 16, b"b" * 16])
+    assert tier.put_many([(b"s" * 16, b"after")]) == 1
+    print(found, tier.usage().entries)
+    tier.close()
+"""
+
+
+def test_full_disk_during_put_raises_tier_error(tmp_path: Path) -> None:
+    out = finish(run_child(FULL_DISK, tmp_path / "s"))
+    first, second = out.splitlines()
+    assert first.startswith("TierError"), out
+    assert second == "[True, False] 2"  # the failed batch left no trace; the tier still works
+
+
+def test_foreign_lmdb_store_is_rejected(tmp_path: Path) -> None:
+    env = lmdb.open(str(tmp_path / "other"), map_size=1 * MiB)
+    with env.begin(write=True) as txn:
+        txn.put(b"somebody", b"else")
+    env.close()
+    with pytest.raises(TierError, match="not kvtier"):
+        LMDBTier(tmp_path / "other", capacity=1 * MiB, chunk_blocks=4)
+
+
+def test_second_open_in_the_same_process_raises(open_tier, tmp_path: Path) -> None:
+    open_tier(tmp_path / "s", capacity=1 * MiB, chunk_blocks=4)
+    with pytest.raises(TierError, match="already open"):
+        LMDBTier(tmp_path / "s", capacity=1 * MiB, chunk_blocks=4)
+
+
+def test_calls_on_a_closed_tier_raise_tier_error(tmp_path: Path) -> None:
+    tier = LMDBTier(tmp_path / "s", capacity=1 * MiB, chunk_blocks=4)
+    tier.close()
+    for call in (
+        lambda: tier.put_many([(b"k" * 16, b"v")]),
+        lambda: tier.get_many([b"k" * 16], lambda i, v: None),
+        lambda: tier.contains_many([b"k" * 16]),
+        lambda: tier.delete_many([b"k" * 16]),
+        lambda: list(tier.keys()),
+        tier.usage,
+        tier.clear,
+    ):
+        with pytest.raises(TierError, match="closed"):
+            call()
+    LMDBTier(tmp_path / "s", capacity=1 * MiB, chunk_blocks=4).close()  # reopenable
+
+
+def test_sink_exception_propagates_and_the_tier_stays_usable(open_tier, tmp_path) -> None:
+    tier = small_tier(open_tier, tmp_path)
+    k = make_key("sink")
+    tier.put_many([(k, b"v")])
+
+    def bad(i: int, value: memoryview) -> None:
+        raise KeyError("from the sink")
+
+    with pytest.raises(KeyError, match="from the sink"):
+        tier.get_many([k], bad)
+    assert read_all(tier, [k])[1] == {0: b"v"}
+
+
+def test_from_config_opens_the_resolved_path(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("KVTIER_TEST_DIR", str(tmp_path))
+    cfg = DiskTierConfig(path="$KVTIER_TEST_DIR/cache", capacity=2 * MiB, chunk_blocks=8)
+    with LMDBTier.from_config(cfg) as tier:
+        assert (tier.name, tier.chunk_blocks, tier.usage().capacity) == ("disk", 8, 2 * MiB)
+        assert tier.path == tmp_path / "cache"
+    assert (tmp_path / "cache" / "data.mdb").exists()
+
+
+@pytest.mark.parametrize("capacity, chunk_blocks", [(0, 4), (1 * MiB, 0), (True, 4)])
+def test_bad_arguments_raise_value_error(tmp_path, capacity, chunk_blocks) -> None:
+    with pytest.raises(ValueError):
+        LMDBTier(tmp_path / "s", capacity=capacity, chunk_blocks=chunk_blocks)
