@@ -1,0 +1,493 @@
+"""The Redis tier: chunk values in Redis or Redis Cluster, through redis-py.
+
+Key schema
+    ``<key_prefix>:<namespace>:<hex of the 16-byte chunk key>`` as bytes, e.g.
+    ``kvtier:3f9a0c1d2e4b5a69:9b1e...`` (``RedisTier.redis_key``). ``namespace`` is a
+    short string the cache derives from the namespace root (``namespace_for(root)``:
+    the first 8 bytes of the root as hex), so one Redis can hold several models or
+    layouts side by side and ``clear()`` / ``keys()`` touch only one of them. Chunk
+    keys are chained hashes that already include the root, so the namespace is for
+    listing and clearing, not for correctness. Neither part may contain ``{`` or
+    ``}``: a hash tag would pin every key to one cluster slot.
+
+One key per chunk
+    A value (msgpack header and block payload together, opaque to this tier) is one
+    Redis string, written by one SET. A chunk is therefore either wholly present or
+    absent, never half written, and expiry or eviction drops it whole. Nothing is
+    ever pickled; values go to redis-py as bytes or memoryviews (large ones are
+    sent from the caller's buffer without a copy) and come back as bytes.
+
+Round-trip budget (design rule 5)
+    Every batch method is one pipeline (``transaction=False``) executed once:
+    ``contains_many`` (EXISTS per key), ``get_many`` (GET, or GETEX refreshing the
+    expiry when a ttl is set), ``put_many`` (SET ... PX ttl) and ``delete_many``
+    (UNLINK). On a single server that is one round trip; in cluster mode the
+    cluster pipeline writes each node's share of the batch to that node's
+    connection before reading any reply, so at most one round trip per node, all
+    in flight together. ``round_trips`` counts pipeline executions (and SCAN
+    pages), ``commands_sent`` the commands in them, for tests and metrics.
+    ``keys``, ``clear`` and ``usage`` walk the namespace with SCAN (every primary
+    in a cluster) and are for inspection and tooling, not hot paths.
+
+TTL and eviction
+    With ``ttl`` set, every write sets that expiry and every read hit refreshes it
+    (GETEX), so chunks in use stay and unused ones age out. ``ttl=None`` writes
+    keys without expiry. The tier has no capacity of its own (``usage().capacity``
+    is None): Redis's ``maxmemory`` governs, so a deployment should set
+    ``maxmemory`` with ``maxmemory-policy allkeys-lru`` (reads count as uses, as
+    ``SpillTier`` requires) or rely on the ttl. Under ``noeviction`` a SET that hits
+    the memory limit is skipped (not counted as stored), not an error.
+
+Failure model (design rule 4)
+    Every redis-py failure (connection refused, timeouts, ResponseError,
+    ClusterDownError, cluster topology errors, OS errors) is raised as ``TierError``
+    with the cause chained; nothing else escapes a tier method (an exception raised
+    by the caller's ``sink`` propagates unchanged). Each call is bounded by the
+    configured timeouts: connects give up after ``connect_timeout`` and replies
+    after ``socket_timeout``. On one server a timeout is never retried and a
+    broken connection is retried once on a fresh one (so a server restart is
+    invisible to the first call after it); a cluster retries a failed connect
+    once, after re-reading the topology. In cluster mode a batch that loses a
+    node mid-way fails as a whole instead of taking redis-py's per-command
+    fallback, which re-sends each of that node's keys on its own and so waits
+    ``socket_timeout`` (twice) per key on a hung node (measured: 41 s for a batch
+    of 256 keys over 3 nodes, against 0.3 s here); MOVED/ASK replies (resharding)
+    re-run the batch once with redirections followed. There is no sticky dead
+    state: the next call simply tries again and redis-py reconnects, so a tier
+    recovers on its own when its server returns. ``from_config`` does not
+    connect for a single server; a cluster client reads the topology when built,
+    and a failure there is a ``TierError``.
+
+Threads
+    One tier is shared by several I/O worker threads: the client's connection
+    pool (a blocking pool of ``max_connections`` per server, waiting at most
+    ``connect_timeout`` for a free connection) hands each pipeline its own
+    connection, pipelines are built per call, and the counters are guarded by a
+    lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.connection import BlockingConnectionPool, parse_url
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    MovedError,
+    OutOfMemoryError,
+    RedisClusterException,
+    RedisError,
+    TryAgainError,
+)
+from redis.retry import Retry
+
+from kvtier.tiers.base import Buffer, SpillTier, TierError, TierUsage, ValueSink
+
+if TYPE_CHECKING:
+    from kvtier.config import RedisTierConfig
+
+__all__ = ["RedisTier", "namespace_for"]
+
+# What a tier call can raise from redis-py, its sockets or its cluster machinery.
+_REDIS_ERRORS: tuple[type[BaseException], ...] = (RedisError, RedisClusterException, OSError)
+# Cluster replies that mean "the topology moved": worth one re-run with redirections.
+_REDIRECTS: tuple[type[BaseException], ...] = (
+    MovedError,
+    AskError,
+    TryAgainError,
+    ClusterDownError,
+)
+_HEALTH_CHECK_INTERVAL = 30.0  # seconds idle before a pooled connection is PINGed
+_SCAN_COUNT = 1000  # SCAN page size hint
+_GLOB_SPECIAL = frozenset(b"*?[]\\")
+
+Client = redis.Redis | RedisCluster
+
+
+def namespace_for(root: bytes) -> str:
+    """The key namespace for a namespace root (model, layout, salt): 16 hex digits."""
+    return bytes(root[:8]).hex()
+
+
+def _glob_escape(prefix: bytes) -> bytes:
+    """``prefix`` with SCAN MATCH's special characters escaped."""
+    out = bytearray()
+    for byte in prefix:
+        if byte in _GLOB_SPECIAL:
+            out.append(0x5C)  # backslash
+        out.append(byte)
+    return bytes(out)
+
+
+def _as_bytes_view(value: Buffer) -> bytes | memoryview:
+    """A value redis-py can send as is: bytes, or a flat byte memoryview (no copy)."""
+    if isinstance(value, bytes):
+        return value
+    view = memoryview(value)
+    if view.ndim != 1 or view.format not in ("B", "b", "c"):
+        view = view.cast("B")
+    return view
+
+
+def _ttl_ms(ttl: float | None) -> int | None:
+    if ttl is None:
+        return None
+    if not ttl > 0:
+        raise ValueError(f"ttl must be positive seconds or None, got {ttl!r}")
+    return max(1, round(ttl * 1000))
+
+
+def _pipeline_queue(pipe: Any) -> list[Any]:
+    """The queued commands of a cluster pipeline (redis-py 6+ strategy, or older)."""
+    strategy = getattr(pipe, "_execution_strategy", None)
+    if strategy is not None:
+        return list(strategy.command_queue)
+    return list(pipe.command_stack)
+
+
+class RedisTier(SpillTier):
+    """Chunk values in Redis (one server or a cluster); see the module docstring."""
+
+    def __init__(
+        self,
+        client: redis.Redis | RedisCluster,
+        namespace: str,
+        chunk_blocks: int,
+        ttl: float | None,
+        key_prefix: str = "kvtier",
+        name: str = "redis",
+    ) -> None:
+        if chunk_blocks < 1:
+            raise ValueError(f"chunk_blocks must be >= 1, got {chunk_blocks!r}")
+        for what, text in (("key_prefix", key_prefix), ("namespace", namespace)):
+            if "{" in text or "}" in text:
+                raise ValueError(f"{what} must not contain '{{' or '}}' (a hash tag): {text!r}")
+        self.client = client
+        self.name = name
+        self.chunk_blocks = chunk_blocks
+        self.ttl = ttl
+        self.namespace = namespace
+        self.key_prefix = key_prefix
+        self.is_cluster = isinstance(client, RedisCluster)
+        self.round_trips = 0
+        self.commands_sent = 0
+        self._ttl_ms = _ttl_ms(ttl)
+        self._prefix = f"{key_prefix}:{namespace}:".encode()
+        self._match = _glob_escape(self._prefix) + b"*"
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # --- construction ---------------------------------------------------------------
+
+    @classmethod
+    def from_config(cls, cfg: RedisTierConfig, namespace: str) -> RedisTier:
+        """A tier with its own client built from ``cfg`` (see the module docstring).
+
+        A password or username in ``cfg`` overrides the one in the URL. Raises
+        ``ConfigError`` for a URL that cannot work in the chosen mode, and
+        ``TierError`` when a cluster's topology cannot be read.
+        """
+        from kvtier.config import ConfigError
+
+        scheme = cfg.url.partition("://")[0].lower()
+        try:
+            opts: dict[str, Any] = parse_url(cfg.url)
+        except ValueError as e:
+            raise ConfigError("tiers.redis.url", cfg.url, f"invalid Redis URL: {e}") from None
+        opts.update(
+            socket_timeout=cfg.socket_timeout,
+            socket_connect_timeout=cfg.connect_timeout,
+            socket_keepalive=True,
+            retry_on_timeout=False,
+            max_connections=cfg.max_connections,
+            connection_pool_class=BlockingConnectionPool,
+            timeout=cfg.connect_timeout,  # longest wait for a free pooled connection
+        )
+        if cfg.password is not None:
+            opts["password"] = cfg.password
+        if cfg.username is not None:
+            opts["username"] = cfg.username
+        ssl = scheme == "rediss"
+        if ssl:
+            opts.update(
+                ssl_ca_certs=cfg.ssl_ca_certs,
+                ssl_certfile=cfg.ssl_certfile,
+                ssl_keyfile=cfg.ssl_keyfile,
+                ssl_cert_reqs=cfg.ssl_cert_reqs,
+            )
+        client: Client
+        if cfg.cluster is False:
+            opts.pop("connection_pool_class")
+            # One retry, on a broken connection only (a stale pooled socket after a
+            # server restart); a timeout is never retried, so a call is bounded.
+            opts["retry"] = Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
+            opts["health_check_interval"] = _HEALTH_CHECK_INTERVAL
+            client = redis.Redis(connection_pool=BlockingConnectionPool(**opts))
+        else:
+            if scheme == "unix":
+                raise ConfigError(
+                    "tiers.redis.url",
+                    cfg.url,
+                    "expected a redis:// or rediss:// URL in cluster mode, got a unix socket",
+                )
+            if opts.pop("db", 0) not in (0, None):
+                raise ConfigError("tiers.redis.url", cfg.url, "expected database 0 in cluster mode")
+            host, port = opts.pop("host", "127.0.0.1"), int(opts.pop("port", 6379))
+            opts.pop("connection_class", None)
+            # The cluster builds each node's pool from the startup URL's scheme (TLS or
+            # not) and these options; credentials stay out of the URL so that ours win.
+            addresses = list(cfg.cluster) if isinstance(cfg.cluster, tuple) else []
+            if addresses:
+                first = addresses.pop(0)
+            else:
+                first = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            nodes = []
+            for address in addresses:
+                node_host, _, node_port = address.rpartition(":")
+                nodes.append(ClusterNode(node_host.strip("[]"), int(node_port)))
+            try:
+                client = RedisCluster(
+                    url=f"{scheme}://{first}",
+                    startup_nodes=nodes,
+                    retry=Retry(NoBackoff(), 1),
+                    **opts,
+                )
+            except _REDIS_ERRORS as e:
+                raise TierError(f"cannot reach Redis Cluster at {cfg.url}: {e}") from e
+        return cls(
+            client,
+            namespace=namespace,
+            chunk_blocks=cfg.chunk_blocks,
+            ttl=cfg.ttl,
+            key_prefix=cfg.key_prefix,
+        )
+
+    # --- keys -----------------------------------------------------------------------
+
+    def redis_key(self, key: bytes) -> bytes:
+        """The Redis key that holds chunk ``key``."""
+        return self._prefix + key.hex().encode()
+
+    def _chunk_key(self, redis_key: bytes) -> bytes | None:
+        """The chunk key named by a Redis key of this namespace; None if malformed."""
+        if not redis_key.startswith(self._prefix):
+            return None
+        try:
+            return bytes.fromhex(redis_key[len(self._prefix) :].decode("ascii"))
+        except (UnicodeDecodeError, ValueError):
+            return None
+
+    # --- batches --------------------------------------------------------------------
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        if not keys:
+            self._check_open()
+            return []
+        results = self._batch(lambda pipe: [pipe.exists(self.redis_key(k)) for k in keys])
+        return [bool(r) for r in results]
+
+    def get_many(self, keys: Sequence[bytes], sink: ValueSink) -> list[bool]:
+        if not keys:
+            self._check_open()
+            return []
+        ttl_ms = self._ttl_ms
+        if ttl_ms is None:
+            results = self._batch(lambda pipe: [pipe.get(self.redis_key(k)) for k in keys])
+        else:
+            results = self._batch(
+                lambda pipe: [pipe.getex(self.redis_key(k), px=ttl_ms) for k in keys]
+            )
+        present = [False] * len(keys)
+        for i, value in enumerate(results):
+            if value is not None:
+                present[i] = True
+                sink(i, memoryview(value))
+        return present
+
+    def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> int:
+        if not items:
+            self._check_open()
+            return 0
+        ttl_ms = self._ttl_ms
+        results = self._batch(
+            lambda pipe: [
+                pipe.set(self.redis_key(k), _as_bytes_view(v), px=ttl_ms) for k, v in items
+            ],
+            skip=(OutOfMemoryError,),
+        )
+        return sum(1 for r in results if r is True)
+
+    def delete_many(self, keys: Sequence[bytes]) -> int:
+        if not keys:
+            self._check_open()
+            return 0
+        results = self._batch(lambda pipe: [pipe.unlink(self.redis_key(k)) for k in keys])
+        return sum(int(r) for r in results)
+
+    # --- namespace walks --------------------------------------------------------------
+
+    def keys(self) -> Iterator[bytes]:
+        for page, _ in self._scan():
+            for redis_key in page:
+                key = self._chunk_key(redis_key)
+                if key is not None:
+                    yield key
+
+    def clear(self) -> int:
+        removed = 0
+        for page, node in self._scan():
+            if page:
+                results = self._node_batch(node, lambda pipe, p=page: [pipe.unlink(k) for k in p])
+                removed += sum(int(r) for r in results)
+        return removed
+
+    def usage(self) -> TierUsage:
+        entries = nbytes = 0
+        for page, node in self._scan():
+            if page:
+                results = self._node_batch(node, lambda pipe, p=page: [pipe.strlen(k) for k in p])
+                entries += len(results)
+                nbytes += sum(int(r) for r in results)
+        return TierUsage(entries=entries, nbytes=nbytes, capacity=None)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.client.close()
+            if not self.is_cluster:
+                self.client.connection_pool.disconnect()
+        except _REDIS_ERRORS:
+            pass
+
+    def __repr__(self) -> str:
+        kind = "cluster" if self.is_cluster else "single"
+        return f"RedisTier({self.name!r}, {kind}, prefix={self._prefix.decode()!r})"
+
+    # --- plumbing ---------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierError(f"{self!r} is closed")
+
+    def _count(self, round_trips: int, commands: int) -> None:
+        with self._lock:
+            self.round_trips += round_trips
+            self.commands_sent += commands
+
+    def _fail(self, e: BaseException) -> TierError:
+        return TierError(f"{self!r}: {type(e).__name__}: {e}")
+
+    def _batch(
+        self,
+        fill: Callable[[Any], Sequence[Any]],
+        skip: tuple[type[BaseException], ...] = (),
+    ) -> list[Any]:
+        """Run the commands ``fill`` queues as one pipeline; per-command results.
+
+        Results that are instances of ``skip`` come back as None; any other error
+        raises ``TierError``.
+        """
+        self._check_open()
+        try:
+            if self.is_cluster:
+                results = self._cluster_batch(fill)
+            else:
+                pipe = self.client.pipeline(transaction=False)
+                n = len(fill(pipe))
+                self._count(1, n)
+                results = pipe.execute(raise_on_error=False)
+        except _REDIS_ERRORS as e:
+            raise self._fail(e) from e
+        return self._check_results(results, skip)
+
+    def _check_results(
+        self, results: list[Any], skip: tuple[type[BaseException], ...] = ()
+    ) -> list[Any]:
+        for i, r in enumerate(results):
+            if isinstance(r, BaseException):
+                if skip and isinstance(r, skip):
+                    results[i] = None
+                else:
+                    raise self._fail(r) from r
+        return results
+
+    def _cluster_batch(self, fill: Callable[[Any], Sequence[Any]]) -> list[Any]:
+        """One cluster pipeline, failing whole when a node fails (see the docstring).
+
+        redis-py's own fallback re-sends every failed command on its own, which on a
+        hung node would wait ``socket_timeout`` once per key; here a lost node fails
+        the batch at once, and only redirections (live nodes) are followed, by one
+        re-run of the batch.
+        """
+        pipe = self.client.pipeline(transaction=False)
+        n = len(fill(pipe))
+        stack = _pipeline_queue(pipe)
+        self._count(1, n)
+        try:
+            results = pipe.send_cluster_commands(
+                stack, raise_on_error=False, allow_redirections=False
+            )
+        finally:
+            pipe.reset()
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors and all(isinstance(r, _REDIRECTS) for r in errors):
+            pipe = self.client.pipeline(transaction=False)
+            fill(pipe)
+            self._count(1, n)
+            results = pipe.execute(raise_on_error=False)
+        return results
+
+    def _scan_targets(self) -> list[tuple[redis.Redis, Any]]:
+        """(client to SCAN, node) for the server or every cluster primary."""
+        if not self.is_cluster:
+            return [(self.client, None)]
+        client: RedisCluster = self.client  # type: ignore[assignment]
+        return [(client.get_redis_connection(node), node) for node in client.get_primaries()]
+
+    def _scan(self) -> Iterator[tuple[list[bytes], Any]]:
+        """Pages of this namespace's Redis keys, with the node that holds them.
+
+        SCAN may return a key twice (while Redis rehashes); each is yielded once.
+        """
+        self._check_open()
+        try:
+            targets = self._scan_targets()
+        except _REDIS_ERRORS as e:
+            raise self._fail(e) from e
+        for node_client, node in targets:
+            seen: set[bytes] = set()
+            cursor: int = 0
+            while True:
+                try:
+                    self._count(1, 1)
+                    cursor, page = node_client.scan(cursor, match=self._match, count=_SCAN_COUNT)
+                except _REDIS_ERRORS as e:
+                    raise self._fail(e) from e
+                fresh = [k for k in map(bytes, page) if k not in seen]
+                seen.update(fresh)
+                yield fresh, node
+                if not cursor:
+                    break
+
+    def _node_batch(self, node: Any, fill: Callable[[Any], Sequence[Any]]) -> list[Any]:
+        """One pipeline to the server (or to one cluster node, for keys it holds)."""
+        if node is None:
+            return self._batch(fill)
+        self._check_open()
+        try:
+            node_client = self.client.get_redis_connection(node)  # type: ignore[union-attr]
+            pipe = node_client.pipeline(transaction=False)
+            n = len(fill(pipe))
+            self._count(1, n)
+            results = pipe.execute(raise_on_error=False)
+        except _REDIS_ERRORS as e:
+            raise self._fail(e) from e
+        return self._check_results(results)

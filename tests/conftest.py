@@ -1,0 +1,69 @@
+"""Shared fixtures: Redis backends (fakeredis, the local server, a throwaway cluster).
+
+A missing server skips the ``real``/``cluster`` cases, or fails them when
+``KVTIER_REQUIRE_REDIS=1`` (CI). Every backend deletes the keys its tiers wrote.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import redis
+from redis.cluster import RedisCluster
+from redis_servers import (
+    LOCAL_HOST,
+    LOCAL_URL,
+    Backend,
+    LocalCluster,
+    local_client,
+    make_backend,
+    unavailable,
+)
+
+# --- session resources -------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def real_client() -> Iterator[redis.Redis]:
+    client = local_client()
+    if client is None:
+        unavailable(f"no Redis server answers at {LOCAL_URL}")
+    assert client is not None
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    c = LocalCluster(tmp_path_factory.mktemp("redis-cluster"))
+    try:
+        c.start()
+    except (RuntimeError, OSError) as e:
+        unavailable(f"cannot start a local Redis Cluster: {e}")
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="session")
+def cluster_admin(cluster: LocalCluster) -> Iterator[RedisCluster]:
+    client = RedisCluster(host=LOCAL_HOST, port=cluster.servers[0].port)
+    yield client
+    client.close()
+
+
+# --- backends ----------------------------------------------------------------------
+
+
+BACKENDS = [
+    "fake",
+    pytest.param("real", marks=pytest.mark.redis),
+    pytest.param("cluster", marks=pytest.mark.redis),
+]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
+    b = make_backend(request.param, request)
+    yield b
+    b.finish()

@@ -1,0 +1,425 @@
+"""RedisTier against fakeredis, the local Redis server and a throwaway 3-node cluster.
+
+Backends: ``fake`` (fakeredis, always runs), ``real`` (127.0.0.1:6379), ``cluster``
+(three ``redis-server`` processes this module starts). A missing server skips the
+``real``/``cluster`` tests, or fails them when ``KVTIER_REQUIRE_REDIS=1``. Every test
+uses its own key prefix and deletes what it wrote.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from array import array
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import redis.connection
+from redis_servers import (
+    LOCAL_HOST,
+    Backend,
+    LocalCluster,
+    RedisServer,
+    config_tier,
+    free_port,
+    make_backend,
+    unique_prefix,
+)
+from tier_contract import TierContract, make_key, read_all
+
+from kvtier.config import ConfigError, RedisTierConfig, parse_config
+from kvtier.tiers.base import TierError
+from kvtier.tiers.redis import RedisTier, namespace_for
+
+# --- the SpillTier contract on every backend ---------------------------------------
+
+
+class TestFakeRedisContract(TierContract):
+    @pytest.fixture
+    def tier(self, request: pytest.FixtureRequest) -> Iterator[RedisTier]:
+        b = make_backend("fake", request)
+        yield b.tier(ttl=None)
+        b.finish()
+
+
+@pytest.mark.redis
+class TestRealRedisContract(TierContract):
+    @pytest.fixture
+    def tier(self, request: pytest.FixtureRequest) -> Iterator[RedisTier]:
+        b = make_backend("real", request)
+        yield b.tier(ttl=600.0)  # the GETEX read path
+        b.finish()
+
+
+@pytest.mark.redis
+class TestRedisClusterContract(TierContract):
+    @pytest.fixture
+    def tier(self, request: pytest.FixtureRequest) -> Iterator[RedisTier]:
+        b = make_backend("cluster", request)
+        yield b.tier(ttl=600.0)
+        b.finish()
+
+
+# --- values, keys, expiry ----------------------------------------------------------
+
+
+def test_binary_values_round_trip_from_any_buffer(backend: Backend) -> None:
+    tier = backend.tier()
+    keys = [make_key("bin", i) for i in range(5)]
+    raw = bytes(range(256)) * 64
+    halfwords = array("H", range(1000))  # a memoryview with format "H", not bytes
+    items = [
+        (keys[0], raw),
+        (keys[1], bytearray(raw)),
+        (keys[2], memoryview(raw)[7:4000]),
+        (keys[3], memoryview(halfwords)),
+        (keys[4], b"\x00\r\n$-1\r\n*3\r\n"),  # RESP framing inside a value
+    ]
+    assert tier.put_many(items) == 5
+    found, got = read_all(tier, keys)
+    assert found == [True] * 5
+    assert got == {0: raw, 1: raw, 2: raw[7:4000], 3: halfwords.tobytes(), 4: items[4][1]}
+
+
+def test_key_schema_is_prefix_namespace_hex(backend: Backend) -> None:
+    tier = backend.tier(namespace=namespace_for(b"\xab" * 16))
+    key = make_key("schema")
+    tier.put_many([(key, b"payload")])
+    expected = f"{tier.key_prefix}:{'ab' * 8}:{key.hex()}".encode()
+    assert tier.redis_key(key) == expected
+    assert backend.admin.get(expected) == b"payload"  # one key, header and payload together
+    assert list(tier.keys()) == [key]
+
+
+def test_ttl_is_set_on_write_and_refreshed_on_read(backend: Backend) -> None:
+    tier = backend.tier(ttl=30.0)
+    keys = [make_key("ttl", i) for i in range(4)]
+    tier.put_many([(k, b"v") for k in keys])
+    for k in keys:
+        assert 0 < backend.admin.ttl(tier.redis_key(k)) <= 30
+    backend.admin.pexpire(tier.redis_key(keys[0]), 2000)
+    assert read_all(tier, [keys[0]])[0] == [True]
+    assert backend.admin.pttl(tier.redis_key(keys[0])) > 2000  # GETEX pushed it back
+    tier.contains_many(keys)  # EXISTS does not refresh
+    assert 0 < backend.admin.ttl(tier.redis_key(keys[1])) <= 30
+
+
+def test_no_ttl_means_no_expiry(backend: Backend) -> None:
+    tier = backend.tier(ttl=None)
+    k = make_key("forever")
+    tier.put_many([(k, b"v")])
+    read_all(tier, [k])
+    assert backend.admin.ttl(tier.redis_key(k)) == -1
+
+
+def test_key_prefixes_and_namespaces_are_isolated(backend: Backend) -> None:
+    a = backend.tier(key_prefix=unique_prefix("iso-a"))
+    b = backend.tier(key_prefix=unique_prefix("iso-b"))
+    other_ns = backend.tier(key_prefix=a.key_prefix, namespace="other")
+    k = make_key("iso")
+    a.put_many([(k, b"from a")])
+    for tier in (b, other_ns):
+        assert tier.contains_many([k]) == [False]
+        assert read_all(tier, [k]) == ([False], {})
+        assert list(tier.keys()) == []
+        assert tier.usage().entries == 0
+        assert tier.clear() == 0
+        assert tier.delete_many([k]) == 0
+    assert read_all(a, [k]) == ([True], {0: b"from a"})
+
+
+def test_glob_characters_in_the_prefix_match_literally(backend: Backend) -> None:
+    base = unique_prefix("glob")
+    star = backend.tier(key_prefix=base + "*[x]?")
+    plain = backend.tier(key_prefix=base + "a[x]b")  # matched by the unescaped pattern
+    plain.put_many([(make_key("plain"), b"p")])
+    star.put_many([(make_key("star"), b"s")])
+    assert list(star.keys()) == [make_key("star")]
+    assert star.clear() == 1
+    assert list(plain.keys()) == [make_key("plain")]
+
+
+def test_response_errors_are_tier_errors(backend: Backend) -> None:
+    tier = backend.tier()
+    k = make_key("wrongtype")
+    backend.admin.hset(tier.redis_key(k), "field", "value")  # not a string value
+    with pytest.raises(TierError) as err:
+        read_all(tier, [make_key("fine"), k])
+    assert isinstance(err.value.__cause__, redis.ResponseError)
+
+
+def test_a_closed_tier_raises_tier_error(backend: Backend) -> None:
+    tier = backend.tier()
+    tier.close()
+    for call in (
+        lambda: tier.contains_many([make_key("x")]),
+        lambda: tier.get_many([make_key("x")], lambda i, v: None),
+        lambda: tier.put_many([(make_key("x"), b"v")]),
+        lambda: tier.delete_many([make_key("x")]),
+        lambda: list(tier.keys()),
+        tier.usage,
+        tier.clear,
+    ):
+        with pytest.raises(TierError):
+            call()
+
+
+# --- the round-trip budget (design rule 5) -----------------------------------------
+
+
+@pytest.fixture
+def socket_writes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One entry per write of packed commands to any Redis socket (real backends)."""
+    writes: list[int] = []
+    original = redis.connection.AbstractConnection.send_packed_command
+
+    def counted(self: Any, command: Any, check_health: bool = True) -> None:
+        writes.append(1)
+        original(self, command, check_health)
+
+    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", counted)
+    return writes
+
+
+def test_a_batch_of_256_keys_is_one_round_trip(backend: Backend, socket_writes: list[int]) -> None:
+    tier = backend.tier(ttl=60.0)
+    keys = [make_key("rt", i) for i in range(256)]
+    tier.put_many([(k, b"v%d" % i) for i, k in enumerate(keys[::2])])
+    tier.contains_many(keys)  # warm every connection (handshakes are not batches)
+    nodes = 1
+    if backend.kind == "cluster":
+        nodes = len({tier.client.get_node_from_key(tier.redis_key(k)).name for k in keys})
+        slots = {tier.client.keyslot(tier.redis_key(k)) for k in keys}
+        assert nodes > 1 and len(slots) > 100  # the batch really spans the cluster
+
+    calls: list[Callable[[], object]] = [
+        lambda: tier.contains_many(keys),
+        lambda: tier.get_many(keys, lambda i, v: None),
+        lambda: tier.put_many([(k, b"w") for k in keys]),
+        lambda: tier.delete_many(keys),
+    ]
+    for call in calls:
+        before, sent, writes = tier.round_trips, tier.commands_sent, len(socket_writes)
+        call()
+        assert tier.round_trips == before + 1
+        assert tier.commands_sent == sent + 256
+        if backend.kind != "fake":  # what actually went over the sockets
+            assert len(socket_writes) - writes == nodes
+
+
+def test_counters_are_exact_under_threads(backend: Backend) -> None:
+    tier = backend.tier()
+    keys = [make_key("ctr", i) for i in range(16)]
+    tier.put_many([(k, b"v") for k in keys])
+    before = tier.round_trips
+
+    def work() -> None:
+        for _ in range(50):
+            tier.contains_many(keys)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert tier.round_trips == before + 200
+
+
+# --- failures degrade within the timeouts (design rule 4) --------------------------
+
+
+def _all_calls(tier: RedisTier) -> list[Callable[[], object]]:
+    keys = [make_key("f", i) for i in range(32)]
+    return [
+        lambda: tier.contains_many(keys),
+        lambda: tier.get_many(keys, lambda i, v: None),
+        lambda: tier.put_many([(k, b"v" * 1000) for k in keys]),
+        lambda: tier.delete_many(keys),
+        lambda: list(tier.keys()),
+        tier.usage,
+        tier.clear,
+    ]
+
+
+def _assert_fails_within(call: Callable[[], object], seconds: float) -> TierError:
+    start = time.monotonic()
+    with pytest.raises(TierError) as err:
+        call()
+    elapsed = time.monotonic() - start
+    assert elapsed < seconds, f"took {elapsed:.2f}s to fail"
+    assert err.value.__cause__ is not None
+    return err.value
+
+
+def test_a_dead_server_fails_fast() -> None:
+    port = free_port()  # nothing listens here
+    cfg = RedisTierConfig(
+        url=f"redis://{LOCAL_HOST}:{port}/0", connect_timeout=0.5, key_prefix=unique_prefix()
+    )
+    tier = RedisTier.from_config(cfg, "ns")  # does not connect yet
+    try:
+        for call in _all_calls(tier):
+            error = _assert_fails_within(call, 2.0)
+            assert isinstance(error.__cause__, redis.ConnectionError)
+    finally:
+        tier.close()
+
+
+@pytest.fixture
+def silent_server() -> Iterator[int]:
+    """A port that accepts connections and never answers; yields the port."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind((LOCAL_HOST, 0))
+    listener.listen(64)
+    listener.settimeout(0.05)
+    stop = threading.Event()
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except (TimeoutError, OSError):
+                continue
+            held.append(conn)  # read nothing, answer nothing
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield listener.getsockname()[1]
+    stop.set()
+    thread.join(timeout=2)
+    for conn in held:
+        conn.close()
+    listener.close()
+
+
+def test_a_server_that_never_answers_fails_within_the_socket_timeout(silent_server: int) -> None:
+    cfg = RedisTierConfig(
+        url=f"redis://{LOCAL_HOST}:{silent_server}/0",
+        socket_timeout=0.3,
+        connect_timeout=0.5,
+        key_prefix=unique_prefix(),
+    )
+    tier = RedisTier.from_config(cfg, "ns")
+    try:
+        for call in _all_calls(tier)[:4]:
+            error = _assert_fails_within(call, 1.0)
+            assert isinstance(error.__cause__, redis.TimeoutError)
+    finally:
+        tier.close()
+
+
+@pytest.mark.redis
+def test_the_same_tier_recovers_when_its_server_comes_back(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path).start()
+    try:
+        cfg = RedisTierConfig(
+            url=server.url,
+            ttl=None,
+            socket_timeout=0.5,
+            connect_timeout=0.5,
+            key_prefix=unique_prefix(),
+        )
+        tier = RedisTier.from_config(cfg, "ns")
+        k = make_key("restart")
+        assert tier.put_many([(k, b"before")]) == 1
+        server.stop()
+        for call in _all_calls(tier):
+            _assert_fails_within(call, 2.0)
+        server.start()  # same port; nothing was persisted
+        # The pooled connections are stale; the first call reconnects on its own.
+        assert tier.contains_many([k]) == [False]
+        assert tier.put_many([(k, b"after")]) == 1
+        assert read_all(tier, [k]) == ([True], {0: b"after"})
+        tier.close()
+    finally:
+        server.stop()
+
+
+@pytest.mark.redis
+def test_a_hung_cluster_node_fails_the_batch_once_not_per_key(
+    cluster: LocalCluster, request: pytest.FixtureRequest
+) -> None:
+    b = Backend(
+        "cluster",
+        None,
+        config_tier(url=cluster.url, cluster=True, socket_timeout=0.25, connect_timeout=0.5),
+        cluster.delete_prefix,
+    )
+    request.addfinalizer(b.finish)
+    tier = b.tier()
+    keys = [make_key("hung", i) for i in range(256)]
+    assert tier.put_many([(k, b"v") for k in keys]) == 256
+    victim = cluster.servers[1]
+    victim.pause()  # accepts connections (kernel backlog), answers nothing
+    try:
+        # redis-py's own fallback would retry each of ~85 keys on that node in turn.
+        _assert_fails_within(lambda: tier.contains_many(keys), 2.0)
+        _assert_fails_within(lambda: tier.get_many(keys, lambda i, v: None), 2.0)
+    finally:
+        victim.resume()
+    assert tier.contains_many(keys) == [True] * 256
+
+
+# --- from_config -------------------------------------------------------------------
+
+
+@pytest.mark.redis
+def test_from_config_takes_the_password_from_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with RedisServer(tmp_path, args=["--requirepass", "s3cret-pw"]) as server:
+        monkeypatch.setenv("KVTIER_TEST_REDIS_PASSWORD", "s3cret-pw")
+        prefix = unique_prefix()
+
+        def tier_for(**section: Any) -> RedisTier:
+            cfg = parse_config({"tiers": {"redis": {"key_prefix": prefix, **section}}})
+            assert cfg.tiers.redis is not None
+            return RedisTier.from_config(cfg.tiers.redis, "ns")
+
+        url = f"redis://{LOCAL_HOST}:{server.port}/0"
+        # The config's password wins over the one in the URL.
+        good = tier_for(
+            url=f"redis://:wrong@{LOCAL_HOST}:{server.port}/0",
+            password="${KVTIER_TEST_REDIS_PASSWORD}",
+        )
+        assert good.put_many([(make_key("pw"), b"v")]) == 1
+        assert good.contains_many([make_key("pw")]) == [True]
+        good.close()
+        for bad in (tier_for(url=url), tier_for(url=url, password="nope")):
+            error = _assert_fails_within(lambda t=bad: t.contains_many([make_key("pw")]), 2.0)
+            assert isinstance(error.__cause__, redis.RedisError)
+            bad.close()
+
+
+@pytest.mark.redis
+def test_from_config_cluster_with_startup_nodes(cluster: LocalCluster) -> None:
+    cfg = RedisTierConfig(
+        url="redis://unused.invalid:1", cluster=cluster.addresses, key_prefix=unique_prefix()
+    )
+    tier = RedisTier.from_config(cfg, "ns")
+    try:
+        assert tier.is_cluster
+        assert tier.put_many([(make_key("nodes"), b"v")]) == 1
+        assert tier.clear() == 1
+    finally:
+        tier.close()
+        cluster.delete_prefix(cfg.key_prefix)
+
+
+def test_from_config_rejects_a_unix_socket_cluster() -> None:
+    with pytest.raises(ConfigError, match="cluster"):
+        RedisTier.from_config(RedisTierConfig(url="unix:///tmp/redis.sock", cluster=True), "ns")
+
+
+def test_from_config_cluster_down_is_a_tier_error() -> None:
+    port = free_port()
+    cfg = RedisTierConfig(url=f"redis://{LOCAL_HOST}:{port}", cluster=True, connect_timeout=0.5)
+    start = time.monotonic()
+    with pytest.raises(TierError):
+        RedisTier.from_config(cfg, "ns")
+    assert time.monotonic() - start < 2.0
