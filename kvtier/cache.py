@@ -1,30 +1,38 @@
-"""``TieredCache``: the engine-facing facade over the GPU pool, the host pool and copies.
+"""``TieredCache``: the engine-facing facade over the GPU pool, the host pool and the
+spill tiers.
 
 Protocol for one request (native mode: kvtier owns the GPU blocks)::
 
     hit = cache.lookup(req_id, token_ids)           # cached prefix, tokens per tier
     table = cache.allocate(req_id, n, hit)          # block table; starts the prefetch
-    cache.wait(req_id)                              # -> tokens whose KV is in place
-    ... engine writes KV of the remaining tokens into cache.kv[table] ...
+    valid = cache.wait(req_id)                      # tokens whose KV is in place
+    ... engine writes KV of tokens [valid:] into cache.kv[table] ...
     cache.commit(req_id, token_ids)                 # publish newly full blocks
     cache.free(req_id)
 
-Data flow: when the GPU pool evicts cached blocks, ``_on_gpu_evict`` copies their KV
-into host slots (one batched copy per allocation) before the GPU blocks are handed
-out; on CUDA the copy runs on the offload stream and the engine's stream waits on its
-event. A hit that continues into the host pool is loaded into freshly allocated GPU
-blocks in the background; until the copy has finished those blocks are held by the
-request only (unpublished: no one else can hit them, nothing can evict them).
+Every request that was looked up must be freed.
 
-Threads: every public method takes ``self._lock``. Copies run on the transfer engine's
-streams or worker threads and never touch bookkeeping; their completion is observed
-under the lock (``_poll``), which publishes and unpins. ``wait`` blocks outside the lock.
+Data flow. When the GPU pool evicts cached blocks, ``_on_gpu_evict`` copies their KV
+into host slots (one batched copy per allocation) before the GPU blocks are handed
+out; on CUDA the copy runs on the offload stream and the engine's stream waits on
+its event. When the host pool evicts slots, the spill manager writes their chunks to
+the spill tiers. A hit below the GPU is loaded into freshly allocated GPU blocks by
+an I/O worker (tier reads into pinned host slots, then one copy up); until it is
+done those blocks are held by the request only: no one else can hit them, nothing
+can evict them.
+
+Threads. Every public method takes ``self._lock`` (spill-tier existence checks in
+``lookup`` run outside it). I/O workers never touch bookkeeping: a prefetch's
+completion is observed under the lock (``_poll``), which publishes and unpins.
+``wait`` blocks outside the lock.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Hashable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from os import PathLike
 
@@ -38,16 +46,20 @@ from kvtier.hashing import BlockHasher, ExtraKeys, TokenIds, namespace_root
 from kvtier.host_pool import HostPool
 from kvtier.layout import KVLayout
 from kvtier.metrics import CacheStats, TierStats
+from kvtier.spill import LoadResult, SpillManager, SpillRun
+from kvtier.tiers.base import SpillTier, TierError
 from kvtier.transfer import Transfer, TransferEngine
+
+log = logging.getLogger(__name__)
 
 
 class LoadError(RuntimeError):
-    """A request's prefetch failed; its KV must be recomputed from ``wait()``'s answer."""
+    """A request's KV was used before its prefetch was waited for."""
 
 
 @dataclass(frozen=True)
 class PrefixHit:
-    """The longest cached prefix of a prompt: GPU blocks first, then host slots.
+    """The longest cached prefix of a prompt: GPU blocks, then host slots, then spill runs.
 
     Valid for the ``allocate`` that follows the ``lookup`` that made it.
     """
@@ -55,31 +67,48 @@ class PrefixHit:
     block_size: int
     gpu_blocks: tuple[int, ...] = ()
     host_slots: tuple[int, ...] = ()
+    spill: tuple[SpillRun, ...] = ()
 
     @property
     def num_blocks(self) -> int:
-        return len(self.gpu_blocks) + len(self.host_slots)
+        return len(self.gpu_blocks) + len(self.host_slots) + self.spill_blocks
+
+    @property
+    def spill_blocks(self) -> int:
+        return sum(run.num_blocks for run in self.spill)
 
     @property
     def num_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
     def tokens_per_tier(self) -> dict[str, int]:
-        return {
+        """Hit tokens by tier name (``gpu``, ``cpu``, then each spill tier that holds some)."""
+        out = {
             "gpu": len(self.gpu_blocks) * self.block_size,
             "cpu": len(self.host_slots) * self.block_size,
         }
+        for run in self.spill:
+            out[run.tier] = out.get(run.tier, 0) + run.num_blocks * self.block_size
+        return out
 
 
 @dataclass
 class _Prefetch:
-    """Host slots being copied into a request's blocks ``[first, first + len(slots))``."""
+    """Blocks ``[first, first + len(blocks))`` of a request being filled by an I/O worker
+    from pinned host slots: ``host_slots`` (host hits) then ``spill_slots`` (loaded from
+    ``runs``). ``future`` yields how many leading blocks were filled."""
 
-    transfer: Transfer
-    slots: list[int]
     first: int
+    blocks: list[int]
+    host_slots: list[int]
+    spill_slots: list[int]
+    runs: tuple[SpillRun, ...]
+    future: Future[int] | None = None
+    load: LoadResult | None = None
     result: int | None = None  # tokens of valid KV once settled
     acknowledged: bool = False  # the engine has seen ``result`` through wait()
+    nbytes: int = 0
+    seconds: float = 0.0
 
 
 @dataclass
@@ -87,10 +116,7 @@ class _Offload:
     """GPU blocks being copied into host slots; the slots are published when it is done."""
 
     transfer: Transfer
-    slots: list[int]
-    hashes: list[bytes]
-    positions: list[int]
-    parents: list[bytes]
+    blocks: CachedBlocks  # the host slots, with the chain info of what they will hold
     gpu_pins: list[int] = field(default_factory=list)  # eager copies pin their source
 
 
@@ -100,23 +126,56 @@ def _resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def _open_spill_tiers(config: KVTierConfig, namespace: str) -> list[SpillTier]:
+    """The configured spill tiers in spill order; one that cannot be opened is left out
+    with a warning, unless it is ``required``."""
+    from kvtier.tiers.lmdb import LMDBTier
+    from kvtier.tiers.redis import RedisTier
+
+    tiers: list[SpillTier] = []
+    for name in config.tiers.spill_order:
+        cfg = getattr(config.tiers, name)
+        try:
+            tier = (
+                LMDBTier.from_config(cfg)
+                if name == "disk"
+                else RedisTier.from_config(cfg, namespace)
+            )
+        except TierError as e:
+            if cfg.required:
+                raise
+            log.warning("kvtier: %s tier disabled, it could not be opened: %s", name, e)
+            continue
+        tiers.append(tier)
+    return tiers
+
+
 class TieredCache:
-    """A prefix cache whose blocks live on the GPU, in host memory, and below."""
+    """A prefix cache whose blocks live on the GPU, in host memory, on disk and in Redis."""
 
     def __init__(
         self,
         config: KVTierConfig,
         layout: KVLayout | None = None,
         device: torch.device | str | None = None,
+        tiers: list[SpillTier] | None = None,
     ) -> None:
+        """Build the tiers ``config`` names; ``tiers`` replaces the configured spill tiers
+        (already-open stores, e.g. in tests)."""
         layout = layout or config.layout
         if layout is None:
             raise ConfigError("layout", None, "a layout section, or a layout from the engine")
+        cpu = config.tiers.cpu
+        if cpu is None and (tiers or config.tiers.spill_order):
+            raise ConfigError(
+                "tiers.cpu", None, "a cpu section: spill tiers stage through the host pool"
+            )
         self.config = config
         self.layout = layout
         self.block_size = layout.block_size
         self.device = torch.device(device) if device else _resolve_device(config.tiers.gpu.device)
-        cpu = config.tiers.cpu
+        algorithm = config.hashing.algorithm
+        root = namespace_root(config.model, layout.fingerprint, config.hashing.salt, algorithm)
         self.host = HostPool.with_capacity(cpu.capacity, layout, cpu.pin_memory) if cpu else None
         self.gpu = GPUBlockPool(
             config.tiers.gpu.resolve_num_blocks(layout),
@@ -124,15 +183,26 @@ class TieredCache:
             self.device,
             on_evict=self._on_gpu_evict if self.host else None,
         )
-        algorithm = config.hashing.algorithm
-        root = namespace_root(config.model, layout.fingerprint, config.hashing.salt, algorithm)
         self.manager = BlockManager(self.gpu, BlockHasher(root, self.block_size, algorithm))
         self.transfer = TransferEngine(self.device, config.transfer.io_threads)
         self._eager = cpu is not None and cpu.write_policy == "eager"
         self._lock = threading.RLock()
         self._offloads: list[_Offload] = []
         self._prefetches: dict[Hashable, _Prefetch] = {}
+        if tiers is None:
+            tiers = _open_spill_tiers(config, root.hex()[:16]) if cpu else []
         self._stats = CacheStats({"gpu": TierStats(), **({"cpu": TierStats()} if cpu else {})})
+        self.spill: SpillManager | None = None
+        if tiers:
+            through = [t.name for t in tiers if _policy(config, t.name) == "write_through"]
+            self.spill = SpillManager(
+                tiers,
+                through,
+                self.host,
+                self.transfer.submit,
+                max_pending_bytes=max(cpu.capacity // 2, 64 << 20),
+            )
+            self.host.on_evict = self.spill.on_host_evict
 
     @classmethod
     def from_yaml(
@@ -152,7 +222,10 @@ class TieredCache:
     def lookup(
         self, req_id: Hashable, token_ids: TokenIds, extra: ExtraKeys | None = None
     ) -> PrefixHit:
-        """The longest cached prefix of the prompt, across tiers (pins nothing)."""
+        """The longest cached prefix of the prompt, across tiers (pins nothing).
+
+        Costs one batched existence check per spill tier, made outside the lock.
+        """
         with self._lock:
             self._poll()
             hashes = self.manager.hash_prompt(req_id, token_ids, extra)
@@ -160,7 +233,8 @@ class TieredCache:
             gpu = self.gpu.lookup(wanted)
             host = self.host.lookup(wanted[len(gpu) :]) if self.host else []
             self._count_lookup(len(wanted), len(gpu), len(host))
-            return PrefixHit(self.block_size, tuple(gpu), tuple(host))
+        runs = self.spill.lookup(wanted, len(gpu) + len(host)) if self.spill else []
+        return PrefixHit(self.block_size, tuple(gpu), tuple(host), tuple(runs))
 
     def allocate(
         self, req_id: Hashable, num_new_tokens: int, hit: PrefixHit | None = None
@@ -168,38 +242,37 @@ class TieredCache:
         """Slots for ``num_new_tokens`` tokens after the hit; returns the block table.
 
         On a request's first allocation the hit is taken: its GPU blocks are shared,
-        and its host part gets fresh GPU blocks that are filled in the background
-        (``ready``/``wait``). None, changing nothing, when the GPU pool is full.
-        ``StaleHitError`` if another allocation reused the hit's blocks since lookup.
+        and the rest gets fresh GPU blocks that an I/O worker fills (``ready``/``wait``).
+        None, changing nothing, when the GPU pool is full. ``StaleHitError`` if another
+        allocation reused the hit's GPU blocks or host slots since the lookup.
         """
+        hit = hit or PrefixHit(self.block_size)
         with self._lock:
             self._poll()
-            slots = list(hit.host_slots) if hit else []
-            if slots:
-                req = self.manager.request(req_id)
-                first = len(hit.gpu_blocks)
-                if not self.host.holds(slots, req.hashes[first : first + len(slots)]):
+            host_slots = list(hit.host_slots)
+            first = len(hit.gpu_blocks)
+            if host_slots:
+                hashes = self.manager.request(req_id).hashes
+                if not self.host.holds(host_slots, hashes[first : first + len(host_slots)]):
                     raise StaleHitError(f"hit of request {req_id!r} is stale; look it up again")
-            # Pin the host part first: the GPU evictions this allocation causes copy
-            # blocks down, and that must not reuse the slots we are about to read.
-            if slots:
-                self.host.touch(slots)
+                # Pinned first: the evictions this allocation causes copy blocks down, and
+                # that must not reuse the slots we are about to read.
+                self.host.touch(host_slots)
+            below = len(host_slots) + hit.spill_blocks
             try:
                 new = self.manager.allocate(
-                    req_id,
-                    len(slots) * self.block_size + num_new_tokens,
-                    list(hit.gpu_blocks) if hit else None,
+                    req_id, below * self.block_size + num_new_tokens, list(hit.gpu_blocks)
                 )
             except BaseException:
-                if slots:
-                    self.host.free(slots)
+                if host_slots:
+                    self.host.free(host_slots)
                 raise
             if new is None:
-                if slots:
-                    self.host.free(slots)
+                if host_slots:
+                    self.host.free(host_slots)
                 return None
-            if slots:
-                self._start_prefetch(req_id, slots, new[: len(slots)], len(hit.gpu_blocks))
+            if below:
+                self._start_prefetch(req_id, hit, first, new[:below])
             return list(self.manager.block_ids(req_id))
 
     def ready(self, req_id: Hashable) -> bool:
@@ -212,28 +285,28 @@ class TieredCache:
     def wait(self, req_id: Hashable) -> int:
         """Block until the prefetch is done; returns how many leading tokens hold valid KV.
 
-        That is the whole hit when every copy succeeded; after a failed load it is the
-        GPU part only, and the engine computes the rest (its blocks are allocated).
+        That is the whole hit when every read and copy succeeded; after a failure it is
+        the prefix that did load, and the engine computes the rest (its blocks are
+        allocated). Must be called before the engine uses the request's KV.
         """
         with self._lock:
             p = self._prefetches.get(req_id)
             if p is None:
                 return self.manager.request(req_id).num_published * self.block_size
         if p.result is None:
-            p.transfer.join()
+            p.future.exception()  # blocks; a failure is settled below
         with self._lock:
             self._poll()
             if self._prefetches.get(req_id) is not p:
                 raise KeyError(f"request {req_id!r} was freed while waiting")
-            assert p.result is not None
             p.acknowledged = True
             return p.result
 
     def commit(self, req_id: Hashable, token_ids: TokenIds) -> int:
         """Publish the request's newly full blocks (after the engine wrote their KV).
 
-        With a prefetch, the engine must have called ``wait`` (and recomputed what a
-        failed load left out) first; otherwise ``LoadError``, publishing nothing.
+        ``LoadError``, publishing nothing, if the request has a prefetch the engine has
+        not waited for.
         """
         with self._lock:
             p = self._prefetches.get(req_id)
@@ -255,9 +328,9 @@ class TieredCache:
         with self._lock:
             p = self._prefetches.pop(req_id, None)
             if p is not None and p.result is None:
-                if not p.transfer.cancel():
-                    p.transfer.join()
-                self.host.free(p.slots)
+                if not p.future.cancel():
+                    p.future.exception()  # a started load is short: let it finish
+                self.host.free(p.host_slots + p.spill_slots)
             freed = self.manager.free(req_id)
             self._poll()
             return freed
@@ -270,18 +343,25 @@ class TieredCache:
         """A snapshot of the per-tier counters."""
         with self._lock:
             self._poll()
-            return self._stats.snapshot()
+            snapshot = self._stats.snapshot()
+        if self.spill:
+            snapshot.tiers.update(self.spill.stats())
+        return snapshot
 
     def flush(self) -> None:
-        """Wait for every copy in flight to land (tests, shutdown)."""
+        """Wait for every copy and spill write in flight to land (tests, shutdown)."""
         with self._lock:
             for o in self._offloads:
                 o.transfer.join()
             self._poll()
+        if self.spill:
+            self.spill.flush()
 
     def close(self) -> None:
         self.flush()
         self.transfer.close()
+        if self.spill:
+            self.spill.close()
         if self.host:
             self.host.close()
 
@@ -301,30 +381,67 @@ class TieredCache:
             s["cpu"].misses += wanted - gpu - host
 
     def _start_prefetch(
-        self, req_id: Hashable, slots: list[int], blocks: list[int], first: int
+        self, req_id: Hashable, hit: PrefixHit, first: int, blocks: list[int]
     ) -> None:
-        """Copy pinned host ``slots`` into the request's new GPU ``blocks`` in the background."""
-        transfer = self.transfer.copy(self.host.slab, slots, self.gpu.kv, blocks, background=True)
-        self._prefetches[req_id] = _Prefetch(transfer, slots, first)
+        """Fill ``blocks`` from the hit's host slots (pinned) and spill runs, on a worker."""
+        runs = hit.spill
+        spill_slots: list[int] = []
+        if runs:
+            # Staging slots for the spill part; as many as the host pool can give.
+            n = min(hit.spill_blocks, self.host.num_free)
+            spill_slots = self.host.allocate(n)
+            runs = _truncate(runs, n)
+        p = _Prefetch(first, blocks, list(hit.host_slots), spill_slots, runs)
+        p.future = self.transfer.submit(self._run_prefetch, p, self.transfer.mark())
+        self._prefetches[req_id] = p
+
+    def _run_prefetch(self, p: _Prefetch, after: torch.cuda.Event | None) -> int:
+        """On an I/O worker: read the spill runs into host slots, then copy up. Returns how
+        many leading blocks of ``p.blocks`` now hold checked KV."""
+        valid = len(p.host_slots)
+        if p.runs:
+            p.load = self.spill.load(p.runs, p.spill_slots)
+            valid += p.load.num_blocks
+        slots = (p.host_slots + p.spill_slots)[:valid]
+        transfer = self.transfer.copy(self.host.slab, slots, self.gpu.kv, p.blocks[:valid], after)
+        error = transfer.join()
+        if error is not None:
+            raise error
+        p.nbytes, p.seconds = transfer.nbytes, transfer.seconds
+        return valid
 
     def _settle(self, req_id: Hashable, p: _Prefetch) -> None:
-        """Finish a prefetch whose copy is done: publish its blocks or count the failure."""
-        error = p.transfer.error
-        self.host.free(p.slots)
-        n = len(p.slots)
-        if error is None:
-            self.manager.publish(req_id, p.first + n)
-            self._stats["cpu"].count_out(n, p.transfer.nbytes, p.transfer.seconds)
-            self._stats["gpu"].count_in(n, p.transfer.nbytes)
-            p.result = (p.first + n) * self.block_size
-        else:
+        """Finish a prefetch whose worker is done: publish what loaded, unpin, count."""
+        error = p.future.exception()
+        valid = 0 if error is not None else p.future.result()
+        if error is not None:
+            log.warning("kvtier: prefetch of request %r failed: %s", req_id, error)
             self._stats["cpu"].errors += 1
-            p.result = p.first * self.block_size
+        if p.load is not None:
+            self.spill.settle_load(p.load)
+        n_host = len(p.host_slots)
+        loaded = max(0, valid - n_host)
+        if loaded:  # blocks read from spill tiers are host-cached now too
+            hashes = self.manager.request(req_id).hashes
+            lo = p.first + n_host
+            self.host.publish(
+                p.spill_slots[:loaded],
+                hashes[lo : lo + loaded],
+                range(lo, lo + loaded),
+                [hashes[lo - 1] if lo else self.manager.hasher.root, *hashes[lo : lo + loaded - 1]],
+            )
+        self.host.free((p.host_slots + p.spill_slots)[::-1])
+        if valid:
+            self.manager.publish(req_id, p.first + valid)
+            from_host = min(valid, n_host)
+            self._stats["cpu"].count_out(from_host, from_host * self.layout.block_nbytes, p.seconds)
+            self._stats["gpu"].count_in(valid, p.nbytes)
+        p.result = (p.first + valid) * self.block_size
 
     def _poll(self) -> None:
-        """Observe finished copies: settle prefetches, publish and unpin offloads."""
+        """Observe finished work: settle prefetches, publish and unpin offloads."""
         for req_id, p in self._prefetches.items():
-            if p.result is None and p.transfer.done():
+            if p.result is None and p.future.done():
                 self._settle(req_id, p)
         if self._offloads:
             pending = []
@@ -348,8 +465,7 @@ class TieredCache:
         blocks that the request may free meanwhile).
         """
         host, stats = self.host, self._stats["cpu"]
-        hashes = blocks.hashes
-        present = host.lookup_each(hashes)
+        present = host.lookup_each(blocks.hashes)
         refresh = [s for s in present if s is not None]
         if refresh:
             host.touch(refresh)
@@ -370,10 +486,12 @@ class TieredCache:
         transfer.order_current_stream()  # reuse of the source blocks waits for the copy
         offload = _Offload(
             transfer,
-            slots,
-            [hashes[i] for i in todo],
-            [blocks.positions[i] for i in todo],
-            [blocks.parents[i] for i in todo],
+            CachedBlocks(
+                slots,
+                [blocks.hashes[i] for i in todo],
+                [blocks.positions[i] for i in todo],
+                [blocks.parents[i] for i in todo],
+            ),
             src if pin_source else [],
         )
         if transfer.done():
@@ -382,15 +500,39 @@ class TieredCache:
             self._offloads.append(offload)
 
     def _finish_offload(self, o: _Offload) -> None:
-        error = o.transfer.error
-        if error is None:
-            self.host.publish(o.slots, o.hashes, o.positions, o.parents)
-            n = len(o.slots)
-            self._stats["cpu"].count_in(n, o.transfer.nbytes, o.transfer.seconds)
-            self._stats["gpu"].count_out(n, o.transfer.nbytes)
+        slots = o.blocks.block_ids
+        if o.transfer.error is None:
+            b = o.blocks
+            self.host.publish(slots, b.hashes, b.positions, b.parents)
+            self._stats["cpu"].count_in(len(slots), o.transfer.nbytes, o.transfer.seconds)
+            self._stats["gpu"].count_out(len(slots), o.transfer.nbytes)
         else:
+            log.warning("kvtier: offload to host failed: %s", o.transfer.error)
             self._stats["cpu"].errors += 1
         # Oldest victim last in the list given to free(), so it is evicted first.
-        self.host.free(o.slots[::-1])
+        self.host.free(slots[::-1])
         if o.gpu_pins:
             self.gpu.free(o.gpu_pins)
+        if o.transfer.error is None and self.spill:
+            self.spill.on_host_publish(o.blocks)
+
+
+def _policy(config: KVTierConfig, tier: str) -> str:
+    """A spill tier's write policy; a tier the config does not name is write-back."""
+    cfg = getattr(config.tiers, tier, None)
+    return cfg.write_policy if cfg is not None else "write_back"
+
+
+def _truncate(runs: tuple[SpillRun, ...], n: int) -> tuple[SpillRun, ...]:
+    """The first ``n`` blocks of ``runs`` (chunks beyond them dropped)."""
+    out = []
+    for run in runs:
+        if n <= 0:
+            break
+        if run.num_blocks <= n:
+            out.append(run)
+        else:
+            chunks = tuple(c for c in run.chunks if c.start < run.first_block + n)
+            out.append(SpillRun(run.tier, run.first_block, n, chunks))
+        n -= run.num_blocks
+    return tuple(out)

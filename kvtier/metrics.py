@@ -22,6 +22,7 @@ class TierStats:
     evictions: int = 0
     dropped: int = 0  # blocks that could not be stored (no free space, all pinned)
     errors: int = 0  # failed copies or I/O; each one a miss or a load error, never raised
+    rejected: int = 0  # stored values that failed their checks: deleted, never loaded
     copy_seconds: float = 0.0
 
     def count_in(self, blocks: int, nbytes: int, seconds: float = 0.0) -> None:

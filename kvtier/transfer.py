@@ -14,22 +14,25 @@ Ownership of streams and threads:
   the event (``Transfer.order_current_stream``) or blocks on it (``Transfer.wait``);
   nobody syncs the host on the engine's path. Host memory must be pinned for the
   copies to be truly asynchronous.
-- CPU: a copy runs inline, or, with ``background=True``, on one of the engine's
-  worker threads (torch copies release the GIL, so the caller keeps working).
+- CPU: a copy runs inline on the calling thread. Work that must not block the engine
+  (prefetch: tier reads, then the copy up) runs on the engine's I/O worker threads
+  (``submit``); torch copies and LMDB/socket I/O release the GIL.
 
-A ``Transfer`` that failed keeps its exception: ``done()`` is True and ``wait()``
-re-raises it, so a failed copy is reported by the caller, never loaded silently.
+A ``Transfer`` that failed keeps its exception (``error``), so a failed copy is
+reported by the caller, never loaded silently.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
 
 import numpy as np
 import torch
+
+T = TypeVar("T")
 
 
 def _runs(ids: np.ndarray) -> list[tuple[int, int]]:
@@ -70,89 +73,57 @@ def copy_blocks(
 
 
 def _timed_copy(*args: object) -> float:
-    """``copy_blocks(*args)``; returns the seconds it took (run inline or on a worker)."""
+    """``copy_blocks(*args)``; returns the seconds it took."""
     start = time.perf_counter()
     copy_blocks(*args)  # type: ignore[arg-type]
     return time.perf_counter() - start
 
 
 class Transfer:
-    """A handle on one batched copy: poll with ``done``, block with ``wait``."""
+    """A handle on one batched copy: poll with ``done``, block with ``join``.
+
+    On CUDA it wraps the events around the copy on a side stream; on CPU the copy has
+    already run (or failed) when the handle is made.
+    """
 
     def __init__(
         self,
         nbytes: int,
         events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None,
-        future: Future[float] | None = None,
         error: BaseException | None = None,
         seconds: float = 0.0,
     ) -> None:
         self.nbytes = nbytes
         self._events = events
-        self._event = events[1] if events else None
-        self._future = future
-        self._error = error
+        self.error = error
         self._seconds = seconds
-
-    def cancel(self) -> bool:
-        """Drop a background copy that has not started; True if it will never run."""
-        return self._future is not None and self._future.cancel()
 
     def done(self) -> bool:
         """Never blocks."""
-        if self._future is not None:
-            return self._future.done()
-        if self._event is not None:
-            return bool(self._event.query())
-        return True
-
-    def wait(self) -> None:
-        """Block until the copy has finished; re-raise its error if it failed."""
-        if self._future is not None:
-            self._future.result()
-        elif self._event is not None:
-            self._event.synchronize()
-        if self._error is not None:
-            raise self._error
+        return self._events is None or bool(self._events[1].query())
 
     def join(self) -> BaseException | None:
-        """Block until the copy has finished; return its error instead of raising it."""
-        try:
-            self.wait()
-        except Exception as e:
-            return e
-        return None
-
-    @property
-    def error(self) -> BaseException | None:
-        """The copy's exception once done, else None."""
-        if self._future is not None and self._future.done():
-            return self._future.exception()
-        return self._error
+        """Block until the copy has finished; return its error (None when it succeeded)."""
+        if self._events is not None:
+            self._events[1].synchronize()
+        return self.error
 
     @property
     def seconds(self) -> float:
-        """Time the copy took (0.0 until it is done or when it failed)."""
-        if self._future is not None:
-            done = self._future.done() and self._future.exception() is None
-            return self._future.result() if done else 0.0
-        if self._events is not None and self._event.query():
-            return self._events[0].elapsed_time(self._events[1]) / 1000.0
+        """Time the copy took (0.0 while it runs, or when it failed)."""
+        if self._events is not None:
+            return self._events[0].elapsed_time(self._events[1]) / 1000 if self.done() else 0.0
         return self._seconds
 
     def order_current_stream(self) -> None:
-        """Make later work on the current stream run after this copy (no host sync on CUDA).
-
-        Never raises: a failure stays readable through ``error``.
-        """
-        if self._event is not None:
-            torch.cuda.current_stream(self._event.device).wait_event(self._event)
-        else:
-            self.join()
+        """Make later work on the current stream run after this copy (no host sync on CUDA)."""
+        if self._events is not None:
+            end = self._events[1]
+            torch.cuda.current_stream(end.device).wait_event(end)
 
 
 class TransferEngine:
-    """Runs ``copy_blocks`` batches on side streams (CUDA) or worker threads (CPU)."""
+    """Block copies on side streams (CUDA) or inline (CPU), and the I/O worker threads."""
 
     def __init__(self, device: torch.device | str, workers: int = 1) -> None:
         self.device = torch.device(device)
@@ -160,8 +131,17 @@ class TransferEngine:
         if self._cuda:
             self.offload_stream = torch.cuda.Stream(self.device)
             self.load_stream = torch.cuda.Stream(self.device)
-        self._pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="kvtier-copy")
-        self._closed = threading.Event()
+        self.workers = max(1, workers)
+        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="kvtier-io")
+
+    def mark(self) -> torch.cuda.Event | None:
+        """An event on the caller's current stream (None on CPU): pass it as ``after`` to
+        order a copy started later, from another thread, after the work queued so far."""
+        if not self._cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
     def copy(
         self,
@@ -169,35 +149,38 @@ class TransferEngine:
         src_ids: Sequence[int] | np.ndarray,
         dst: torch.Tensor,
         dst_ids: Sequence[int] | np.ndarray,
-        background: bool = False,
+        after: torch.cuda.Event | None = None,
     ) -> Transfer:
-        """Start ``dst[dst_ids] = src[src_ids]``; returns its handle.
+        """``dst[dst_ids] = src[src_ids]``: queued on a side stream on CUDA, done inline on CPU.
 
-        The ids are copied before returning, so callers may reuse their lists.
+        On CUDA the copy first waits for ``after`` (else the caller's current stream), so
+        it sees every write queued before it. A failure is reported through the handle.
         """
         s = np.array(src_ids, dtype=np.int64)
         d = np.array(dst_ids, dtype=np.int64)
         nbytes = len(d) * dst[0].nbytes if len(dst) else 0
         if self._cuda and (src.is_cuda or dst.is_cuda):
             stream = self.load_stream if dst.is_cuda else self.offload_stream
-            stream.wait_stream(torch.cuda.current_stream(self.device))
+            if after is not None:
+                stream.wait_event(after)
+            else:
+                stream.wait_stream(torch.cuda.current_stream(self.device))
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             with torch.cuda.stream(stream):
                 start.record(stream)
                 copy_blocks(src, s, dst, d, non_blocking=True)
                 end.record(stream)
             return Transfer(nbytes, events=(start, end))
-        if background:
-            if self._closed.is_set():
-                raise RuntimeError("transfer engine is closed")
-            return Transfer(nbytes, future=self._pool.submit(_timed_copy, src, s, dst, d))
         try:
             seconds = _timed_copy(src, s, dst, d)
-        except Exception as e:  # reported through the handle, like a background failure
+        except Exception as e:  # reported through the handle, never raised
             return Transfer(nbytes, error=e)
         return Transfer(nbytes, seconds=seconds)
 
+    def submit(self, fn: Callable[..., T], *args: object) -> Future[T]:
+        """Run ``fn(*args)`` on an I/O worker thread."""
+        return self._pool.submit(fn, *args)
+
     def close(self) -> None:
-        """Finish queued copies and stop the workers."""
-        self._closed.set()
+        """Finish queued work and stop the workers."""
         self._pool.shutdown(wait=True)

@@ -1,0 +1,345 @@
+"""Moving chunks between the host pool and the spill tiers (disk, Redis).
+
+A spill tier stores *chunks*: blocks ``[k*C, k*C + n)`` of one chain (``C`` = that
+tier's ``chunk_blocks``), keyed by the hash of the chunk's last block.
+
+Write path. Chunks are built from host slots by walking parent hashes back from a
+chunk's last block to its aligned start, encoded (one gather into the value) while
+the slots are still valid, and written by an I/O worker:
+
+- ``write_back`` tiers: when the host pool evicts slots, the first ``write_back``
+  tier in spill order receives each victim's chunk (the blocks from the chunk's
+  start up to the victim; one value per chunk however many of its blocks go).
+- ``write_through`` tiers: a chunk is written as soon as all its ``C`` blocks are in
+  the host pool (so other instances sharing the tier see it early); partial chunks
+  are written when they are evicted. Blocks usually reach the host tail first, so a
+  chunk whose tail arrived before its head is remembered under the hash it was
+  missing and completed when that block arrives.
+
+Read path. ``lookup`` asks each tier in order, with one batched existence check,
+for the chunks that continue the prefix the tiers above it hold; ``load`` (on an I/O
+worker) reads them with one batched get per tier, checks every value
+(``kvtier.chunk``), and scatters the blocks still missing into pinned host slots.
+A value that fails its checks is a miss, is deleted, and is counted.
+
+Threads: ``lookup`` and ``load`` touch only the tiers, the codec, and host slots pinned
+for them; they may run on any thread. ``on_host_evict`` and ``on_host_publish`` run
+under the cache's lock. Counters are updated under ``self._lock``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from kvtier.block_pool import CachedBlocks
+from kvtier.chunk import BadChunk, ChunkCodec, byte_rows
+from kvtier.host_pool import HostPool
+from kvtier.metrics import TierStats
+from kvtier.tiers.base import SpillTier, TierError
+
+log = logging.getLogger(__name__)
+
+Submit = Callable[..., Future]
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    """One stored chunk: its key, the chain position of its first block, its length."""
+
+    key: bytes
+    start: int
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class SpillRun:
+    """Blocks ``[first_block, first_block + num_blocks)`` of a prompt, held by one tier."""
+
+    tier: str
+    first_block: int
+    num_blocks: int
+    chunks: tuple[ChunkRef, ...]
+
+
+@dataclass
+class LoadResult:
+    """What a load did: the leading blocks now in host slots, and what went wrong."""
+
+    num_blocks: int = 0
+    bad: list[tuple[str, bytes, str]] = field(default_factory=list)  # tier, key, reason
+    errors: list[str] = field(default_factory=list)  # tiers that raised TierError
+    blocks_read: dict[str, int] = field(default_factory=dict)
+
+
+def _extend_prefix(present: Sequence[bool], first: int, start: int, end: int, c: int) -> list:
+    """Chunks (end position, start) continuing a prefix at ``start``; ``present[j - first]``
+    says whether a chunk ending at position j is stored. Stops at the first chunk that
+    is missing or partial."""
+    chunks = []
+    pos = start
+    k = start // c
+    while pos < end:
+        lo, hi = k * c, min((k + 1) * c, end)
+        last = next((j for j in range(hi - 1, pos - 1, -1) if present[j - first]), None)
+        if last is None:
+            break
+        chunks.append((last, lo))
+        pos = last + 1
+        if last != (k + 1) * c - 1:
+            break
+        k += 1
+    return chunks
+
+
+class SpillManager:
+    """The spill tiers below one host pool, in spill order."""
+
+    def __init__(
+        self,
+        tiers: Sequence[SpillTier],
+        write_through: Sequence[str],
+        host: HostPool,
+        submit: Submit,
+        max_pending_bytes: int,
+    ) -> None:
+        self.tiers = list(tiers)
+        self.host = host
+        self.codec = ChunkCodec(host.layout)
+        self._rows = byte_rows(host.slab)
+        self._submit = submit
+        self._stats = {t.name: TierStats() for t in self.tiers}
+        self._through = [t for t in self.tiers if t.name in write_through]
+        back = [t for t in self.tiers if t.name not in write_through]
+        self._back = back[0] if back else None
+        # Incomplete write-through chunks: missing hash -> (tier, tail hash, tail position).
+        self._waiting: dict[bytes, list[tuple[SpillTier, bytes, int]]] = {}
+        self._max_pending = max_pending_bytes
+        self._pending = 0
+        self._writes: set[Future] = set()
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ read path
+    def lookup(self, hashes: Sequence[bytes], start: int) -> list[SpillRun]:
+        """Runs of stored chunks that extend the prefix ``hashes[:start]``, tier by tier."""
+        runs: list[SpillRun] = []
+        end = len(hashes)
+        for tier in self.tiers:
+            if start >= end:
+                break
+            c = tier.chunk_blocks
+            first = start // c * c
+            try:
+                present = tier.contains_many(hashes[first:end])
+            except TierError as e:
+                self._count_error(tier.name, e)
+                continue
+            found = _extend_prefix(present, first, start, end, c)
+            stats = self._stats[tier.name]
+            with self._lock:
+                stats.misses += end - start
+            if not found:
+                continue
+            stop = found[-1][0] + 1
+            chunks = tuple(ChunkRef(hashes[last], lo, last - lo + 1) for last, lo in found)
+            runs.append(SpillRun(tier.name, start, stop - start, chunks))
+            with self._lock:
+                stats.hits += stop - start
+                stats.misses -= stop - start
+            start = stop
+        return runs
+
+    def load(self, runs: Sequence[SpillRun], slots: Sequence[int]) -> LoadResult:
+        """Read ``runs`` into ``slots`` (one per run block, in order, pinned by the caller).
+
+        Stops at the first chunk that is missing or bad: the result's ``num_blocks``
+        leading slots hold checked KV, the rest are garbage.
+        """
+        result = LoadResult()
+        base = runs[0].first_block if runs else 0
+        by_name = {t.name: t for t in self.tiers}
+        for run in runs:
+            tier = by_name[run.tier]
+            ok = [False] * len(run.chunks)
+
+            def sink(i: int, value: memoryview, run: SpillRun = run, ok: list = ok) -> None:
+                chunk = run.chunks[i]
+                try:
+                    header, payload = self.codec.decode(value, chunk.key)
+                    if (header.first_position, header.num_blocks) != (
+                        chunk.start,
+                        chunk.num_blocks,
+                    ):
+                        raise BadChunk(
+                            "length",
+                            f"chunk holds blocks {header.first_position}+{header.num_blocks}, "
+                            f"expected {chunk.start}+{chunk.num_blocks}",
+                        )
+                except BadChunk as e:
+                    result.bad.append((run.tier, chunk.key, e.reason))
+                    return
+                lo = max(chunk.start, run.first_block)  # blocks above are there already
+                hi = min(chunk.start + chunk.num_blocks, run.first_block + run.num_blocks)
+                target = np.asarray(slots[lo - base : hi - base])
+                self._rows[target] = payload[lo - chunk.start : hi - chunk.start]
+                ok[i] = True
+
+            try:
+                tier.get_many([c.key for c in run.chunks], sink)
+            except TierError as e:
+                result.errors.append(run.tier)
+                log.warning("kvtier: %s tier read failed: %s", run.tier, e)
+            good = next((i for i, v in enumerate(ok) if not v), len(ok))
+            loaded = 0
+            if good:
+                last = run.chunks[good - 1]
+                loaded = min(last.start + last.num_blocks - run.first_block, run.num_blocks)
+            result.blocks_read[run.tier] = loaded
+            result.num_blocks += loaded
+            if good < len(ok):
+                break
+        return result
+
+    def settle_load(self, result: LoadResult) -> None:
+        """Count a finished load and delete the bad values it met (in the background)."""
+        with self._lock:
+            nbytes = self.host.layout.block_nbytes
+            for name, n in result.blocks_read.items():
+                self._stats[name].count_out(n, n * nbytes)
+            for name in result.errors:
+                self._stats[name].errors += 1
+            for name, _, _ in result.bad:
+                self._stats[name].rejected += 1
+        by_name = {t.name: t for t in self.tiers}
+        for name, key, reason in result.bad:
+            log.warning("kvtier: rejected %s value %s (%s); deleting it", name, key.hex(), reason)
+            self._background(by_name[name], by_name[name].delete_many, [key])
+
+    # ------------------------------------------------------------------ write path
+    def on_host_evict(self, victims: CachedBlocks) -> None:
+        """Host eviction hook: spill the victims' chunks before their slots are reused."""
+        if self._back is not None:
+            self._write_chunks(self._back, victims, partial_only=False)
+        for tier in self._through:
+            self._write_chunks(tier, victims, partial_only=True)
+
+    def on_host_publish(self, blocks: CachedBlocks) -> None:
+        """Write-through: write every chunk that these newly cached blocks complete."""
+        if not self._through:
+            return
+        retry = [t for h in blocks.hashes for t in self._waiting.pop(h, ())]
+        for tier in self._through:
+            c = tier.chunk_blocks
+            for h, p in zip(blocks.hashes, blocks.positions):
+                if p % c == c - 1:
+                    self._complete_chunk(tier, h, p)
+        for tier, tail, p in retry:
+            self._complete_chunk(tier, tail, p)
+
+    def stats(self) -> dict[str, TierStats]:
+        """A snapshot of each spill tier's counters."""
+        with self._lock:
+            return {name: replace(s) for name, s in self._stats.items()}
+
+    def close(self) -> None:
+        """Finish queued writes and close every tier."""
+        self.flush()
+        for tier in self.tiers:
+            tier.close()
+
+    def flush(self) -> None:
+        """Wait for every queued write."""
+        while True:
+            with self._lock:
+                pending = list(self._writes)
+            if not pending:
+                return
+            for f in pending:
+                f.exception()
+
+    # ------------------------------------------------------------------ internals
+    def _complete_chunk(self, tier: SpillTier, tail: bytes, position: int) -> None:
+        c = tier.chunk_blocks
+        slots, missing = self.host.walk_back(tail, c)
+        if missing is not None:
+            waiting = self._waiting.setdefault(missing, [])
+            if (tier, tail, position) not in waiting:
+                waiting.append((tier, tail, position))
+            if len(self._waiting) > self.host.num_blocks:  # forget the oldest
+                self._waiting.pop(next(iter(self._waiting)))
+            return
+        self._encode_and_put(tier, [(tail, position - c + 1, slots)])
+
+    def _write_chunks(self, tier: SpillTier, victims: CachedBlocks, partial_only: bool) -> None:
+        c = tier.chunk_blocks
+        covered: set[int] = set()
+        chunks = []
+        order = sorted(range(len(victims)), key=lambda i: -victims.positions[i])
+        for i in order:
+            slot = victims.block_ids[i]
+            if slot in covered:
+                continue
+            p = victims.positions[i]
+            start = p // c * c
+            if partial_only and p == start + c - 1:
+                continue  # a full chunk: written when it completed
+            slots, missing = self.host.walk_back(victims.hashes[i], p - start + 1)
+            if missing is not None:
+                with self._lock:
+                    self._stats[tier.name].dropped += 1
+                continue
+            covered.update(slots)
+            chunks.append((victims.hashes[i], start, slots))
+        self._encode_and_put(tier, chunks)
+
+    def _encode_and_put(self, tier: SpillTier, chunks: list[tuple[bytes, int, list[int]]]) -> None:
+        if not chunks:
+            return
+        nbytes = sum(self.codec.encoded_nbytes(len(slots)) for _, _, slots in chunks)
+        with self._lock:
+            if self._pending + nbytes > self._max_pending:  # the tier is not keeping up
+                self._stats[tier.name].dropped += sum(len(slots) for _, _, slots in chunks)
+                return
+            self._pending += nbytes
+        items = [
+            (key, self.codec.encode(key, start, self._rows, slots), len(slots))
+            for key, start, slots in chunks
+        ]
+        self._background(tier, self._put, tier, items, nbytes)
+
+    def _put(self, tier: SpillTier, items: list[tuple[bytes, bytearray, int]], nbytes: int) -> None:
+        """Store the chunks the tier does not hold yet (runs on an I/O worker)."""
+        try:
+            present = tier.contains_many([key for key, _, _ in items])
+            todo = [item for item, p in zip(items, present) if not p]
+            if todo and tier.put_many([(key, value) for key, value, _ in todo]):
+                with self._lock:
+                    self._stats[tier.name].count_in(
+                        sum(n for _, _, n in todo), sum(len(v) for _, v, _ in todo)
+                    )
+        finally:
+            with self._lock:
+                self._pending -= nbytes
+
+    def _background(self, tier: SpillTier, fn: Callable, *args: object) -> None:
+        future = self._submit(fn, *args)
+        with self._lock:
+            self._writes.add(future)
+        future.add_done_callback(lambda f, t=tier: self._write_done(t, f))
+
+    def _write_done(self, tier: SpillTier, future: Future) -> None:
+        with self._lock:
+            self._writes.discard(future)
+        error = future.exception()
+        if error is not None:
+            self._count_error(tier.name, error)
+
+    def _count_error(self, name: str, error: BaseException) -> None:
+        log.warning("kvtier: %s tier failed: %s", name, error)
+        with self._lock:
+            self._stats[name].errors += 1

@@ -1,0 +1,194 @@
+"""TieredCache with spill tiers: chunks go down to LMDB and Redis and come back exact."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import fakeredis
+import pytest
+from engine import serve
+from redis_servers import unique_prefix
+
+from kvtier.cache import TieredCache
+from kvtier.chunk import ChunkCodec
+from kvtier.config import parse_config
+from kvtier.tiers.lmdb import LMDBTier
+from kvtier.tiers.redis import RedisTier
+
+BLOCK_NBYTES = 2 * 2 * 4 * 2 * 8 * 4  # the layout below: 1 KiB per block
+
+
+def config(tmp_path: Path, cpu_policy: str = "on_evict", gpu: int = 16, host: int = 16) -> dict:
+    return {
+        "model": "spill-test",
+        "layout": {
+            "num_layers": 2,
+            "block_size": 4,
+            "num_kv_heads": 2,
+            "head_dim": 8,
+            "dtype": "float32",
+        },
+        "tiers": {
+            "gpu": {"num_blocks": gpu, "device": "cpu"},
+            "cpu": {"capacity": host * BLOCK_NBYTES, "write_policy": cpu_policy},
+            "disk": {"path": str(tmp_path / "lmdb"), "capacity": "64MiB", "chunk_blocks": 4},
+            "redis": {"chunk_blocks": 8, "write_policy": "write_through"},
+        },
+    }
+
+
+def make_cache(
+    tmp_path: Path, redis: RedisTier | None = None, disk: bool = True, **kw
+) -> tuple[TieredCache, list]:
+    """A cache over an LMDB tier (chunks of 4) under ``tmp_path`` and/or ``redis``."""
+    cfg = parse_config(config(tmp_path, **kw))
+    tiers = [LMDBTier(tmp_path / "lmdb", 64 << 20, chunk_blocks=4)] if disk else []
+    if redis is not None:
+        tiers.append(redis)
+    return TieredCache(cfg, tiers=tiers), tiers
+
+
+def fake_redis(chunk_blocks: int = 8) -> RedisTier:
+    return RedisTier(fakeredis.FakeRedis(), "test", chunk_blocks, ttl=None)
+
+
+def stored_headers(tier, codec: ChunkCodec) -> list:
+    keys = list(tier.keys())
+    headers = []
+    tier.get_many(keys, lambda i, v: headers.append(codec.decode(v, keys[i])[0]))
+    return headers
+
+
+def prompt(seed: int, blocks: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(50000) for _ in range(blocks * 4 + 1)]
+
+
+def push_down(cache: TieredCache, seeds: range, blocks: int = 6) -> None:
+    """Serve fresh prompts until earlier ones have left the GPU and host pools."""
+    for s in seeds:
+        serve(cache, f"filler{s}", prompt(1000 + s, blocks))
+    cache.flush()
+
+
+def test_evicted_chains_come_back_from_disk_bit_exact(tmp_path):
+    cache, _ = make_cache(tmp_path)
+    a = prompt(1, 12)
+    serve(cache, "a", a)
+    push_down(cache, range(8))
+    again = serve(cache, "a2", a)  # serve() checks every loaded block bit for bit
+    assert again.hit.tokens_per_tier().get("disk", 0) > 0
+    assert again.valid_tokens == again.hit.num_tokens == 48
+    assert cache.stats()["disk"].blocks_out > 0
+    cache.close()
+
+
+def test_a_chunk_covering_blocks_held_above_loads_only_the_missing_ones(tmp_path):
+    cache, _ = make_cache(tmp_path)
+    a = prompt(1, 12)
+    serve(cache, "a", a)
+    push_down(cache, range(8))
+    serve(cache, "head", a[: 6 * 4 + 1])  # blocks 0-3 load from disk, 4-5 are computed
+    hit = cache.lookup("probe", a)
+    cache.free("probe")
+    assert len(hit.gpu_blocks) == 6
+    (run,) = hit.spill
+    assert run.chunks[0].start == 4 and run.first_block == 6  # chunk [4, 8) overlaps the GPU
+    loaded_before = cache.stats()["disk"].blocks_out
+    served = serve(cache, "a2", a)
+    assert served.valid_tokens == 48
+    assert cache.stats()["disk"].blocks_out - loaded_before == 6  # blocks 6-11 only
+    cache.close()
+
+
+def test_each_tier_stores_chunks_of_its_own_size(tmp_path):
+    cache, (disk, redis) = make_cache(tmp_path, fake_redis(), cpu_policy="eager", gpu=24, host=24)
+    for s in range(6):
+        serve(cache, f"r{s}", prompt(s, 17))
+    push_down(cache, range(10))
+    codec = ChunkCodec(cache.layout)
+    for tier, c in ((disk, 4), (redis, 8)):
+        headers = stored_headers(tier, codec)
+        assert headers, f"{tier.name} holds no chunk"
+        assert all(h.num_blocks <= c and h.first_position % c == 0 for h in headers)
+        assert any(h.num_blocks == c for h in headers)
+        assert all(h.payload_nbytes == h.num_blocks * cache.layout.block_nbytes for h in headers)
+    cache.close()
+
+
+def test_two_caches_sharing_redis_reuse_each_others_prefixes(tmp_path, backend):
+    prefix = unique_prefix("share")
+    shared = [backend.tier(key_prefix=prefix, chunk_blocks=8) for _ in range(2)]
+    first, _ = make_cache(
+        tmp_path / "a", shared[0], disk=False, cpu_policy="eager", gpu=24, host=24
+    )
+    second, _ = make_cache(tmp_path / "b", shared[1], disk=False, gpu=24, host=24)
+    p = prompt(7, 17)
+    serve(first, "p", p)
+    first.flush()  # write-through chunks are on their way as soon as they are complete
+    served = serve(second, "p", p)  # checks the loaded KV bit for bit
+    assert served.hit.tokens_per_tier()["redis"] == 64
+    assert served.valid_tokens == 64
+    first.close()
+    second.close()
+
+
+def test_lookup_costs_one_redis_round_trip(tmp_path, backend):
+    cache, (redis,) = make_cache(tmp_path, backend.tier(chunk_blocks=8), disk=False)
+    before = redis.round_trips
+    cache.lookup("long", prompt(3, 1024))  # a 4k-token prompt
+    assert redis.round_trips - before == 1
+    cache.free("long")
+    cache.close()
+
+
+@pytest.mark.parametrize("damage", ["fingerprint", "truncate", "flip"])
+def test_a_damaged_value_is_a_miss_is_deleted_and_counted(tmp_path, damage):
+    cache, (disk,) = make_cache(tmp_path)
+    a = prompt(1, 12)
+    serve(cache, "a", a)
+    push_down(cache, range(8))
+    hit = cache.lookup("probe", a)
+    cache.free("probe")
+    key = hit.spill[0].chunks[0].key
+    values = []
+    disk.get_many([key], lambda i, v: values.append(bytearray(v)))
+    (value,) = values
+    if damage == "fingerprint":  # the same bytes, claimed by another layout
+        fp = cache.layout.fingerprint
+        value[value.index(fp) : value.index(fp) + len(fp)] = bytes(16)
+    elif damage == "truncate":
+        del value[-7:]
+    else:
+        value[-1] ^= 0x40
+    disk.put_many([(key, bytes(value))])
+    served = serve(cache, "a2", a)  # recomputes what did not load; checks what did
+    assert served.valid_tokens < served.hit.num_tokens
+    cache.flush()
+    assert disk.contains_many([key]) == [False]
+    assert cache.stats()["disk"].rejected == 1
+    cache.close()
+
+
+def test_disk_tier_hits_after_a_restart_in_a_new_process(tmp_path):
+    tests_dir = Path(__file__).parent
+    code = f"""
+import sys; sys.path.insert(0, {str(tests_dir)!r})
+from pathlib import Path
+from test_cache_spill import make_cache, prompt, push_down
+from engine import serve
+from redis_servers import unique_prefix
+cache, _ = make_cache(Path({str(tmp_path)!r}))
+serve(cache, "a", prompt(1, 12))
+push_down(cache, range(8))
+cache.close()
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    cache, _ = make_cache(tmp_path)
+    served = serve(cache, "a", prompt(1, 12))
+    assert served.hit.tokens_per_tier().get("disk", 0) >= 32
+    assert served.valid_tokens == served.hit.num_tokens
+    cache.close()
