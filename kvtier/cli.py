@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from collections.abc import Sequence
+from dataclasses import replace
 
-from kvtier.block_manager import BlockManager
+from kvtier.cache import TieredCache
 from kvtier.config import ConfigError, KVTierConfig, default_config, load_config
-from kvtier.gpu_pool import GPUBlockPool
-from kvtier.hashing import BlockHasher, namespace_root
 from kvtier.progress import progress
+from kvtier.synthetic import serve
 from kvtier.workloads import multi_turn_chat
 
 
@@ -21,52 +22,72 @@ def _load(path: str | None) -> KVTierConfig:
     return config
 
 
+def _with_disk_at(config: KVTierConfig, path: str) -> KVTierConfig:
+    """``config`` with its disk tier (if any) moved to ``path``."""
+    disk = config.tiers.disk
+    if disk is None:
+        return config
+    return replace(config, tiers=replace(config.tiers, disk=replace(disk, path=path)))
+
+
 def demo(args: argparse.Namespace) -> int:
-    """Serve a synthetic multi-turn chat through the GPU block manager; print hit rates."""
+    """Serve a synthetic multi-turn chat through every configured tier; print hits per tier."""
     config = _load(args.config)
-    layout = config.layout
-    assert layout is not None
-    pool = GPUBlockPool(config.tiers.gpu.resolve_num_blocks(layout), layout, device="cpu")
-    root = namespace_root(
-        config.model, layout.fingerprint, config.hashing.salt, config.hashing.algorithm
+    with tempfile.TemporaryDirectory(prefix="kvtier-demo-") as scratch:
+        if not args.keep_cache:  # a fresh disk tier, so every run shows the same thing
+            config = _with_disk_at(config, f"{scratch}/lmdb")
+        with TieredCache(config, device=args.device) as cache:
+            return _run_demo(cache, args)
+
+
+def _run_demo(cache: TieredCache, args: argparse.Namespace) -> int:
+    requests = list(
+        multi_turn_chat(args.conversations, args.turns, system_tokens=512, user_tokens=128)
     )
-    manager = BlockManager(pool, BlockHasher(root, layout.block_size, config.hashing.algorithm))
-    requests = list(multi_turn_chat(args.conversations, args.turns))
+    tiers = list(cache.stats().tiers)
     print(
-        f"kvtier demo: {len(requests)} requests, GPU pool of {pool.num_blocks} blocks "
-        f"({layout.describe()})"
+        f"kvtier demo: {len(requests)} requests; tiers {', '.join(tiers)}; "
+        f"GPU pool {cache.gpu.num_blocks} blocks of {cache.layout.describe()}"
     )
     rows = []
     for req in progress(requests, desc="serving"):
-        hit = manager.lookup(req.req_id, req.prompt)
-        hit_tokens = len(hit) * layout.block_size
-        if manager.allocate(req.req_id, len(req.prompt) + len(req.reply) - hit_tokens, hit) is None:
-            print(f"{req.req_id}: pool exhausted, request skipped", file=sys.stderr)
-            manager.free(req.req_id)
-            continue
-        manager.commit(req.req_id, req.prompt + req.reply)
-        manager.free(req.req_id)
-        rows.append((req.req_id, len(req.prompt), hit_tokens))
-    print(f"{'request':>10} {'prompt':>8} {'hit':>8} {'hit rate':>9}")
-    for req_id, prompt, hit in rows:
-        print(f"{req_id:>10} {prompt:>8} {hit:>8} {hit / prompt:>8.1%}")
-    total = sum(r[1] for r in rows)
-    hits = sum(r[2] for r in rows)
-    stats = pool.stats()
+        served = serve(cache, req.req_id, req.prompt + req.reply)  # checks every hit block
+        rows.append((req, served.hit.tokens_per_tier()))
     print(
-        f"overall: {hits}/{total} prompt tokens hit ({hits / max(total, 1):.1%}); "
-        f"{stats.evictions} blocks evicted; {stats.num_cached} cached"
+        f"{'request':>9} {'prompt':>7}" + "".join(f" {t:>7}" for t in tiers) + f" {'computed':>9}"
     )
+    for req, per_tier in rows:
+        n = len(req.prompt) + len(req.reply)
+        hit = sum(per_tier.values())
+        cols = "".join(f" {per_tier.get(t, 0):>7}" for t in tiers)
+        print(f"{req.req_id:>9} {n:>7}{cols} {n - hit:>9}")
+    total = sum(len(r.prompt) + len(r.reply) for r, _ in rows)
+    stats = cache.stats()
+    print("\nhit rate by tier (share of all tokens):")
+    for t in tiers:
+        served = sum(p.get(t, 0) for _, p in rows)
+        s = stats[t]
+        print(
+            f"  {t:>6}: {served / total:6.1%}   blocks in {s.blocks_in:>6}  out {s.blocks_out:>6}"
+            f"  bytes in {s.bytes_in / 2**20:8.1f} MiB  out {s.bytes_out / 2**20:8.1f} MiB"
+        )
+    print("every block served from a tier matched a recompute bit for bit")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="serve a synthetic multi-turn chat and print hit rates")
+    p = sub.add_parser("demo", help="serve a multi-turn chat through every tier; print hits")
     p.add_argument("--config", help="YAML config (default: the embedded default)")
-    p.add_argument("--conversations", type=int, default=4)
+    p.add_argument("--conversations", type=int, default=12)
     p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--device", help="torch device of the GPU tier (default: from the config)")
+    p.add_argument(
+        "--keep-cache",
+        action="store_true",
+        help="use the configured disk path instead of a fresh scratch directory",
+    )
     p.set_defaults(func=demo)
     return parser
 

@@ -254,8 +254,8 @@ def default_config() -> KVTierConfig:
             dtype=torch.float16,
         ),
         tiers=TiersConfig(
-            gpu=GPUTierConfig(num_blocks=1024, device="auto"),
-            cpu=CPUTierConfig(capacity=256 * MiB),
+            gpu=GPUTierConfig(num_blocks=256, device="auto"),
+            cpu=CPUTierConfig(capacity=32 * MiB),
             disk=DiskTierConfig(
                 path=str(_interpolate(_DEFAULT_DISK_PATH, "tiers.disk.path")),
                 capacity=2 * GiB,

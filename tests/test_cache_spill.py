@@ -9,12 +9,12 @@ from pathlib import Path
 
 import fakeredis
 import pytest
-from engine import serve
 from redis_servers import unique_prefix
 
 from kvtier.cache import TieredCache
 from kvtier.chunk import ChunkCodec
 from kvtier.config import parse_config
+from kvtier.synthetic import serve
 from kvtier.tiers.lmdb import LMDBTier
 from kvtier.tiers.redis import RedisTier
 
@@ -179,7 +179,7 @@ def test_disk_tier_hits_after_a_restart_in_a_new_process(tmp_path):
 import sys; sys.path.insert(0, {str(tests_dir)!r})
 from pathlib import Path
 from test_cache_spill import make_cache, prompt, push_down
-from engine import serve
+from kvtier.synthetic import serve
 from redis_servers import unique_prefix
 cache, _ = make_cache(Path({str(tmp_path)!r}))
 serve(cache, "a", prompt(1, 12))

@@ -1,8 +1,9 @@
-"""A minimal engine loop for tests: KV is a deterministic function of the token prefix.
+"""A synthetic engine: KV is a deterministic function of the token prefix.
 
 Block ``i`` of a prompt gets KV drawn from a generator seeded by the CRC of tokens
 ``[0, (i + 1) * block_size)``: the same prefix always has the same KV, so any block
 the cache hands back can be checked bit for bit against what a recompute would write.
+The demo uses it where no model is involved, and the tests use it everywhere.
 """
 
 from __future__ import annotations
@@ -14,6 +15,14 @@ import numpy as np
 import torch
 
 from kvtier.cache import PrefixHit, TieredCache
+
+
+class PoolExhausted(RuntimeError):
+    """The GPU pool has no room for the request at the moment."""
+
+
+class KVMismatch(AssertionError):
+    """A block the cache supplied differs from what a recompute writes."""
 
 
 def expected_block(cache: TieredCache, tokens: list[int], index: int) -> torch.Tensor:
@@ -28,6 +37,8 @@ def expected_block(cache: TieredCache, tokens: list[int], index: int) -> torch.T
 
 @dataclass
 class Served:
+    """What serving one request found: the hit, the tokens that loaded, its block table."""
+
     hit: PrefixHit
     valid_tokens: int
     table: list[int]
@@ -36,17 +47,19 @@ class Served:
 def serve(cache: TieredCache, req_id: str, tokens: list[int], free: bool = True) -> Served:
     """lookup, allocate, wait, check the loaded KV, write the rest, commit, free.
 
-    Asserts that every block the cache supplied equals the recomputed KV.
+    Raises ``KVMismatch`` if a block the cache supplied differs from the recomputed
+    KV, and ``PoolExhausted`` if the GPU pool cannot hold the request.
     """
     hit = cache.lookup(req_id, tokens)
     table = cache.allocate(req_id, len(tokens) - hit.num_tokens, hit)
-    assert table is not None, f"{req_id}: GPU pool exhausted"
+    if table is None:
+        cache.free(req_id)
+        raise PoolExhausted(f"{req_id}: the GPU pool cannot hold {len(tokens)} tokens now")
     valid = cache.wait(req_id)
     bs = cache.block_size
     for i in range(valid // bs):
-        assert torch.equal(cache.kv[table[i]].cpu(), expected_block(cache, tokens, i)), (
-            f"{req_id}: block {i} differs from recompute"
-        )
+        if not torch.equal(cache.kv[table[i]].cpu(), expected_block(cache, tokens, i)):
+            raise KVMismatch(f"{req_id}: block {i} differs from recompute")
     for i in range(valid // bs, len(table)):
         if (i + 1) * bs <= len(tokens):
             cache.kv[table[i]] = expected_block(cache, tokens, i).to(cache.kv.device)
