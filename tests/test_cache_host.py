@@ -8,7 +8,7 @@ import torch
 
 import kvtier.transfer
 from kvtier.block_manager import StaleHitError
-from kvtier.cache import LoadError, TieredCache
+from kvtier.cache import LoadError, PrefixHit, TieredCache
 from kvtier.config import parse_config
 from kvtier.synthetic import PoolExhausted, expected_block, serve
 
@@ -53,6 +53,20 @@ def hold_copy_workers(cache: TieredCache) -> threading.Event:
     for _ in range(cache.config.transfer.io_threads):
         cache.transfer._pool.submit(gate.wait)
     return gate
+
+
+def prompt_in_host(cache: TieredCache, other_blocks: int = 6) -> list[int]:
+    """Serve a 6-block prompt, then another that pushes it from the GPU to the host."""
+    a = prompt(1, 6)
+    serve(cache, "a", a)
+    serve(cache, "b", prompt(2, other_blocks))
+    return a
+
+
+def begin(cache: TieredCache, req_id: str, tokens: list[int]) -> tuple[PrefixHit, list[int]]:
+    """lookup + allocate: the request's prefetch starts."""
+    hit = cache.lookup(req_id, tokens)
+    return hit, cache.allocate(req_id, len(tokens) - hit.num_tokens, hit)
 
 
 def check_pools(cache: TieredCache) -> None:
@@ -115,12 +129,9 @@ def test_eager_policy_copies_on_commit_so_eviction_copies_nothing():
 
 def test_ready_is_false_until_the_background_copy_lands_and_wait_blocks_for_it():
     cache = make_cache(gpu_blocks=8)
-    a = prompt(1, 6)
-    serve(cache, "a", a)
-    serve(cache, "b", prompt(2, 6))
+    a = prompt_in_host(cache)
     gate = hold_copy_workers(cache)
-    hit = cache.lookup("a2", a)
-    cache.allocate("a2", len(a) - hit.num_tokens, hit)
+    begin(cache, "a2", a)
     assert cache.ready("a2") is False
     gate.set()
     assert cache.wait("a2") == 24
@@ -129,12 +140,9 @@ def test_ready_is_false_until_the_background_copy_lands_and_wait_blocks_for_it()
 
 def test_prefetching_blocks_are_not_hittable_until_ready():
     cache = make_cache(gpu_blocks=16)
-    a = prompt(1, 6)
-    serve(cache, "a", a)
-    serve(cache, "b", prompt(2, 12))  # pushes a's blocks to the host
+    a = prompt_in_host(cache, other_blocks=12)
     gate = hold_copy_workers(cache)
-    hit = cache.lookup("a2", a)
-    cache.allocate("a2", len(a) - hit.num_tokens, hit)
+    hit, _ = begin(cache, "a2", a)
     other = cache.lookup("a3", a)
     assert other.gpu_blocks == hit.gpu_blocks  # the in-flight blocks are not a GPU hit
     gate.set()
@@ -144,12 +152,9 @@ def test_prefetching_blocks_are_not_hittable_until_ready():
 
 def test_prefetching_blocks_are_not_evictable():
     cache = make_cache(gpu_blocks=8)
-    a = prompt(1, 6)
-    serve(cache, "a", a)
-    serve(cache, "b", prompt(2, 6))
+    a = prompt_in_host(cache)
     gate = hold_copy_workers(cache)
-    hit = cache.lookup("a2", a)
-    table = cache.allocate("a2", len(a) - hit.num_tokens, hit)
+    hit, table = begin(cache, "a2", a)
     assert cache.allocate("c", 8 * 4) is None  # would need a2's blocks
     gate.set()
     cache.wait("a2")
@@ -158,12 +163,9 @@ def test_prefetching_blocks_are_not_evictable():
 
 def test_free_during_prefetch_leaks_nothing():
     cache = make_cache(gpu_blocks=8)
-    a = prompt(1, 6)
-    serve(cache, "a", a)
-    serve(cache, "b", prompt(2, 6))
+    a = prompt_in_host(cache)
     gate = hold_copy_workers(cache)
-    hit = cache.lookup("a2", a)
-    cache.allocate("a2", len(a) - hit.num_tokens, hit)
+    hit, _ = begin(cache, "a2", a)
     assert cache.free("a2") is True  # the queued copy is cancelled
     gate.set()
     cache.flush()
@@ -175,9 +177,7 @@ def test_free_during_prefetch_leaks_nothing():
 
 def test_failed_prefetch_reports_only_gpu_tokens_and_counts_the_error(monkeypatch):
     cache = make_cache(gpu_blocks=8)
-    a = prompt(1, 6)
-    serve(cache, "a", a)
-    serve(cache, "b", prompt(2, 6))
+    a = prompt_in_host(cache)
 
     real_copy = kvtier.transfer._timed_copy
 
@@ -187,8 +187,7 @@ def test_failed_prefetch_reports_only_gpu_tokens_and_counts_the_error(monkeypatc
         return real_copy(src, src_ids, dst, dst_ids)
 
     monkeypatch.setattr("kvtier.transfer._timed_copy", loads_fail)
-    hit = cache.lookup("a2", a)
-    cache.allocate("a2", len(a) - hit.num_tokens, hit)
+    hit, _ = begin(cache, "a2", a)
     assert cache.wait("a2") == hit.tokens_per_tier()["gpu"]
     assert cache.stats()["cpu"].errors == 1
     monkeypatch.undo()
@@ -199,20 +198,15 @@ def test_failed_prefetch_reports_only_gpu_tokens_and_counts_the_error(monkeypatc
 
 def test_commit_before_wait_is_refused():
     cache = make_cache(gpu_blocks=8)
-    a = prompt(1, 6)
-    serve(cache, "a", a)
-    serve(cache, "b", prompt(2, 6))
-    hit = cache.lookup("a2", a)
-    cache.allocate("a2", len(a) - hit.num_tokens, hit)
+    a = prompt_in_host(cache)
+    begin(cache, "a2", a)
     with pytest.raises(LoadError):
         cache.commit("a2", a)
 
 
 def test_stats_count_hits_and_bytes_per_tier():
     cache = make_cache(gpu_blocks=8)
-    a = prompt(1, 6)
-    serve(cache, "a", a)
-    serve(cache, "b", prompt(2, 6))
+    a = prompt_in_host(cache)
     hit = serve(cache, "a2", a).hit
     s = cache.stats()
     nbytes = cache.layout.block_nbytes
