@@ -15,7 +15,9 @@ field not checked against the caller's expectations or the value's length is
 covered too). Values are never pickled.
 
 The encoder always writes the same fixed-width header (ints as msgpack uint64), so
-``encoded_nbytes(n)`` is exact; the decoder accepts any well-formed msgpack header.
+``encoded_nbytes(n)`` is exact; the decoder accepts any well-formed msgpack header
+(it reads that fixed form with one ``struct`` unpack, anything else with msgpack,
+with the same checks and the same outcome).
 Decoding validates, in order: empty, truncated / magic, header, version, layout,
 key, length, checksum; the first failure raises ``BadChunk`` with its reason code.
 Nothing else is ever raised for a bad value, and nothing in a value is trusted
@@ -124,6 +126,24 @@ def _fixed_header_template(fingerprint: bytes) -> tuple[bytes, int, tuple[int, .
     return prefix + head, len(prefix) + key_off, tuple(len(prefix) + o for o in int_offs)
 
 
+def _fixed_header_struct(fingerprint: bytes) -> tuple[struct.Struct, tuple[bytes, ...]]:
+    """The fixed-width header as one ``struct``: constant segments between the fields.
+
+    Returns ``(fmt, segments)``: ``fmt`` packs / unpacks ``(seg0, key, seg1, n, seg2,
+    pos, seg3, len, seg4, sum)`` (the ``segments`` are ``seg0..seg4``: magic, header
+    length, map and field names, fingerprint); ``fmt.size`` is the header's length.
+    """
+    template, key_off, (o_n, o_pos, o_len, o_sum) = _fixed_header_template(fingerprint)
+    assert o_sum + 8 == len(template)
+    bounds = [(0, key_off), (key_off + KEY_NBYTES, o_n), (o_n + 8, o_pos)]
+    bounds += [(o_pos + 8, o_len), (o_len + 8, o_sum)]
+    segments = tuple(template[a:b] for a, b in bounds)
+    lens = [len(seg) for seg in segments]
+    fmt = struct.Struct(f">{lens[0]}s{KEY_NBYTES}s{lens[1]}sQ{lens[2]}sQ{lens[3]}sQ{lens[4]}sQ")
+    assert fmt.size == len(template)
+    return fmt, segments
+
+
 class ChunkCodec:
     """Encodes and decodes chunk values for one layout.
 
@@ -132,22 +152,22 @@ class ChunkCodec:
     its blocks. Both are thread-safe (the codec holds no mutable state).
     """
 
-    __slots__ = ("layout", "block_nbytes", "fingerprint", "_template", "_key_off", "_int_offs")
+    __slots__ = ("layout", "block_nbytes", "fingerprint", "_header", "_segments")
 
     def __init__(self, layout: KVLayout) -> None:
         self.layout = layout
         self.block_nbytes: int = layout.block_nbytes
         self.fingerprint: bytes = layout.fingerprint
-        self._template, self._key_off, self._int_offs = _fixed_header_template(self.fingerprint)
+        self._header, self._segments = _fixed_header_struct(self.fingerprint)
 
     @property
     def header_nbytes(self) -> int:
         """Bytes in front of the payload of every value this codec encodes."""
-        return len(self._template)
+        return self._header.size
 
     def encoded_nbytes(self, n: int) -> int:
         """Exact length of the value ``encode`` writes for ``n`` blocks."""
-        return len(self._template) + n * self.block_nbytes
+        return self._header.size + n * self.block_nbytes
 
     def encode(
         self,
@@ -155,12 +175,13 @@ class ChunkCodec:
         first_position: int,
         src: np.ndarray,
         rows: Sequence[int] | np.ndarray,
-    ) -> bytearray:
+    ) -> memoryview:
         """The value holding blocks ``src[rows]``, in that order, from chain ``first_position``.
 
         ``src`` is a 2-D uint8 array ``[num_slots, block_nbytes]`` (see ``byte_rows``);
         ``rows`` are 1 or more row indices in ``[0, num_slots)``, in chain order. The
-        rows are gathered with one ``np.take`` straight into the returned buffer.
+        rows are gathered with one ``np.take`` straight into the returned (writable,
+        contiguous) buffer.
         Raises ValueError / TypeError for bad arguments (a caller bug, not bad data).
         """
         if len(key) != KEY_NBYTES:
@@ -175,26 +196,31 @@ class ChunkCodec:
         idx = np.asarray(rows, dtype=np.intp)
         if idx.ndim != 1 or idx.size == 0:
             raise ValueError(f"rows must be a non-empty 1-D sequence, got shape {idx.shape}")
-        lo, hi = int(idx.min()), int(idx.max())
+        n = idx.size
+        if n <= 64:  # Python's min/max of a short list beat two numpy reductions
+            as_list = idx.tolist()
+            lo, hi = min(as_list), max(as_list)
+        else:
+            lo, hi = int(idx.min()), int(idx.max())
         if lo < 0 or hi >= src.shape[0]:
             raise ValueError(f"rows must be in [0, {src.shape[0]}), got {lo}..{hi}")
-        n = idx.size
-        hlen = len(self._template)
+        hlen = self._header.size
         nbytes = n * bn
-        out = bytearray(hlen + nbytes)
-        payload = np.frombuffer(out, dtype=np.uint8, count=nbytes, offset=hlen).reshape(n, bn)
+        size = hlen + nbytes
+        # Not zero-filled: every byte is written below (header by pack_into, payload by take).
+        buf = np.empty(size, dtype=np.uint8)
+        out = memoryview(buf)
+        payload = buf[hlen:].reshape(n, bn)
         # mode="clip" (bounds checked above): numpy buffers `out` for mode="raise".
         np.take(src, idx, axis=0, out=payload, mode="clip")
         del payload
-        with memoryview(out) as mv:
-            checksum = xxhash.xxh3_64_intdigest(mv[hlen:], first_position)
-        out[:hlen] = self._template
-        out[self._key_off : self._key_off + KEY_NBYTES] = key
-        o_n, o_pos, o_len, o_sum = self._int_offs
-        struct.pack_into(">Q", out, o_n, n)
-        struct.pack_into(">Q", out, o_pos, first_position)
-        struct.pack_into(">Q", out, o_len, nbytes)
-        struct.pack_into(">Q", out, o_sum, checksum)
+        checksum = xxhash.xxh3_64_intdigest(out[hlen:], first_position)
+        if type(key) is not bytes:
+            key = bytes(key)
+        seg0, seg1, seg2, seg3, seg4 = self._segments
+        self._header.pack_into(
+            out, 0, seg0, key, seg1, n, seg2, first_position, seg3, nbytes, seg4, checksum
+        )
         return out
 
     def decode(
@@ -211,6 +237,9 @@ class ChunkCodec:
         if mv.ndim != 1 or mv.itemsize != 1:
             mv = mv.cast("B")
         size = mv.nbytes
+        fast = self._decode_fixed(mv, size, key)
+        if fast is not None:
+            return fast
         if size == 0:
             raise BadChunk("empty", "expected a chunk value, found 0 bytes")
         prefix_n = _PREFIX.size
@@ -300,3 +329,35 @@ class ChunkCodec:
         header = ChunkHeader(version, fp, hkey, n, pos, length, checksum)
         blocks = np.frombuffer(mv, dtype=np.uint8, count=length, offset=start).reshape(n, bn)
         return header, blocks
+
+    def _decode_fixed(
+        self, mv: memoryview, size: int, key: bytes | bytearray | memoryview
+    ) -> tuple[ChunkHeader, np.ndarray] | None:
+        """``decode`` for a value whose header is the fixed-width one ``encode`` writes.
+
+        Reads the header with one ``struct`` unpack instead of msgpack. Returns None
+        (``decode`` then runs its general checks, which name the failure) unless the
+        header is byte for byte this codec's fixed form (so the magic, length, version,
+        keys and layout fingerprint are right) and the key, block count and lengths
+        match: everything ``decode`` checks except the checksum, checked here.
+        """
+        fmt = self._header
+        start = fmt.size
+        if size < start:
+            return None
+        seg0, hkey, seg1, n, seg2, pos, seg3, length, seg4, checksum = fmt.unpack_from(mv)
+        if (
+            (seg0, seg1, seg2, seg3, seg4) != self._segments
+            or hkey != key
+            or n < 1
+            or length != n * self.block_nbytes
+            or size - start != length
+        ):
+            return None
+        actual = xxhash.xxh3_64_intdigest(mv[start:], pos)
+        if actual != checksum:
+            raise BadChunk("checksum", f"expected xxh3_64 {checksum:#018x}, found {actual:#018x}")
+        header = ChunkHeader(FORMAT_VERSION, self.fingerprint, hkey, n, pos, length, checksum)
+        # = np.frombuffer(...).reshape(n, bn), in one call: a zero-copy view, read-only
+        # when mv is, keeping mv's buffer alive.
+        return header, np.ndarray((n, self.block_nbytes), np.uint8, mv, start)

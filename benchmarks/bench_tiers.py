@@ -1,0 +1,730 @@
+"""Chunk put/get throughput of kvtier's LMDB and Redis tiers against raw lmdb / redis-py.
+
+Every batch is one 4k-token prompt: 256 blocks of ``LAYOUT`` (32 KiB per block, 8 MiB
+per batch), cut into chunks of 1, 8 and 32 blocks (256, 32 and 8 values of 32 KiB,
+256 KiB and 1 MiB). Throughput is value bytes (header included) per second, GB = 1e9.
+
+Cases, for each tier (``lmdb``, ``redis``) and chunk size C:
+
+- ``TIER put chunk C``: what the cache does when it spills a batch: ``ChunkCodec.encode``
+  of every chunk from (scattered) host-slab rows, then, as the spill manager's I/O
+  worker does, ``contains_many`` of the keys and ``put_many`` of the absent ones (all).
+  Ceiling: the same value bytes written raw: one lmdb write transaction of ``txn.put``
+  (an environment opened with the tier's flags: ``sync=False, metasync=False,
+  writemap=False``), or one redis-py ``pipeline(transaction=False)`` of SET.
+  Target: >= 0.7 of the ceiling for chunks of 8+ blocks (informational for chunk 1).
+  ``... no contains check``: encode + ``put_many`` only. ``... put_many only``: the
+  tier call alone, values encoded beforehand (informational).
+- ``TIER get chunk C``: ``SpillManager.load`` of the batch (the run its ``lookup``
+  returns): one ``tier.get_many`` whose sink decodes every value (header and xxh3
+  checksum checks) and scatters its blocks into host-slab slots. Ceiling: the same
+  values read raw (an lmdb read transaction of ``get`` with ``buffers=True``, or a
+  redis-py pipeline of GET) and copied into a preallocated staging buffer. Target as
+  for put. ``... get_many only``: the tier call alone, its sink copying each value
+  into the staging buffer as the raw reader does (informational).
+- ``TIER lookup chunk C 4k tokens``: ``SpillManager.lookup`` of the prompt's 256 block
+  hashes (all stored), in µs; ceiling: the raw existence check of the same 256 keys
+  (one lmdb read transaction of ``get``, one pipeline of EXISTS). ``redis lookup chunk
+  C 4k tokens round trips``: ``RedisTier.round_trips`` per lookup (the most any timed
+  lookup took); target <= 1.
+- ``encode chunk C`` / ``decode chunk C``: the codec alone, no tier: encode every
+  chunk of the batch from slab rows, keeping the values until the batch is done as
+  the put path does (ceiling: ``np.take`` of the same rows into new arrays, kept
+  likewise), and decode + scatter every value as the load sink does (ceiling: the
+  same payloads scattered into the same slab rows, unchecked).
+
+Puts write keys the store does not hold (each repetition first deletes them, untimed),
+into stores that hold the get batches of every chunk size. Gets read stored values
+again and again (hot: the LMDB map lives in the page cache). The LMDB environments live
+in a fresh temporary directory (in /dev/shm when there is one), deleted at the end;
+Redis keys carry a unique prefix and are deleted at the end. The Redis tier runs with
+the config's default ttl (SET ... PX, GETEX ... PX), the raw pipeline without.
+
+Memory: unless ``--malloc-default`` is given, glibc is told to keep freed memory for
+reuse (``mallopt`` trim threshold 1 GiB, mmap threshold 32 MiB). Otherwise whether a
+call's fresh 8 MiB (encoded values, LMDB's dirty pages, redis-py's reply buffers)
+costs 2048 page faults depends on what sits at the top of the heap, which flips between
+otherwise equal cases; on a VM a fault can cost several µs (the output measures it),
+more than the copy it precedes. The output also gives each main case's median page
+faults per call, and its ceiling's.
+
+Cases run in rounds, each round taking a few samples of every case with kvtier and
+raw cases side by side, so machine noise (shared cores, the Redis server on the same
+machine) hits both alike. Figures are medians; min and max are over all samples.
+
+    python benchmarks/bench_tiers.py [--quick] [--out FILE.json] [--redis-url URL]
+                                     [--malloc-default]
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import numpy as np
+import redis
+import torch
+from _report import (
+    Result,
+    machine_info,
+    measure_samples,
+    print_table,
+    standard_args,
+    summarize,
+    write_json,
+)
+
+from kvtier.chunk import ChunkCodec, byte_rows
+from kvtier.config import RedisTierConfig
+from kvtier.host_pool import HostPool
+from kvtier.layout import KVLayout
+from kvtier.progress import progress
+from kvtier.spill import ChunkRef, SpillManager, SpillRun
+from kvtier.tiers.base import SpillTier
+from kvtier.tiers.lmdb import LMDBTier
+from kvtier.tiers.redis import RedisTier
+
+BENCHMARK = "bench_tiers"
+LAYOUT_ARGS = dict(num_layers=4, kv_factor=2, block_size=16, num_kv_heads=2, head_dim=64)
+DTYPE = torch.float16
+PROMPT_TOKENS = 4096
+CHUNKS = (1, 8, 32)  # blocks per chunk
+TARGET_RATIO = 0.7  # of the raw ceiling, for chunks of TARGET_MIN_CHUNK+ blocks
+TARGET_MIN_CHUNK = 8
+ROUND_TRIP_TARGET = 1
+LMDB_CAPACITY = 1 << 30  # never reached: nothing is evicted
+LMDB_MAP_SIZE = 256 << 20  # big enough that no map resize happens while timing
+GB = 1e9
+
+PUT_CEILING = {
+    "lmdb": "raw lmdb: one write txn of txn.put of the same values (sync=False, "
+    "metasync=False, writemap=False)",
+    "redis": "raw redis-py pipeline(transaction=False) of SET of the same values",
+}
+GET_CEILING = {
+    "lmdb": "raw lmdb: one read txn of get(buffers=True) + copy into a staging buffer",
+    "redis": "raw redis-py pipeline of GET + copy into a staging buffer",
+}
+LOOKUP_CEILING = {
+    "lmdb": "raw lmdb: one read txn of get of the same 256 keys",
+    "redis": "raw redis-py pipeline of EXISTS of the same 256 keys",
+}
+ENCODE_CEILING = "np.take of the same slab rows into new arrays (kept until the batch is done)"
+DECODE_CEILING = "numpy scatter of the same payloads into the same slab rows, unchecked"
+
+
+LAYOUT = KVLayout(dtype=DTYPE, **LAYOUT_ARGS)
+BLOCKS = PROMPT_TOKENS // LAYOUT.block_size  # blocks per batch (one prompt)
+
+
+@dataclass
+class Case:
+    """One timed operation; ``kind`` says how its samples become a figure."""
+
+    name: str
+    fn: Callable[[Any], Any]
+    setup: Callable[[], Any]
+    kind: str  # "throughput" (nbytes per call), "time" (µs per call), "raw"
+    nbytes: int = 0
+    ceiling: str | None = None  # name of the raw case that is this case's ceiling
+    ceiling_what: str | None = None
+    target: float | None = None
+    samples: list[float] = field(default_factory=list)
+    check: Callable[[], None] = lambda: None  # runs after each batch of samples
+    faults: list[int] = field(default_factory=list)  # minor page faults of each call
+
+    def timed(self, arg: Any) -> None:
+        """``fn(arg)``, counting the page faults it takes (a fresh page costs µs)."""
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        self.fn(arg)
+        self.faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+
+
+@dataclass
+class Prompt:
+    """One batch: a prompt's 256 blocks cut into chunks of ``c`` blocks."""
+
+    c: int
+    hashes: list[bytes]
+    chunks: list[ChunkRef]
+    keys: list[bytes]
+    slots: list[list[int]]  # host-slab rows of each chunk's blocks (encode's source)
+    values: list[memoryview]  # the encoded chunks
+    nbytes: int
+    offsets: list[int]  # each value's offset in a staging buffer of nbytes
+
+
+class Bench:
+    def __init__(self, quick: bool, redis_url: str) -> None:
+        self.quick = quick
+        self.rounds, self.per_round = (3, 3) if quick else (10, 6)
+        self.rng = np.random.default_rng(20240611)
+        self.codec = ChunkCodec(LAYOUT)
+        # Slab rows [0, BLOCKS): encode's source; [BLOCKS, 2 * BLOCKS): load's targets.
+        self.host = HostPool(2 * BLOCKS, LAYOUT, pin_memory=False)
+        self.rows = byte_rows(self.host.slab)
+        self.rows[:BLOCKS] = self.rng.integers(0, 256, self.rows[:BLOCKS].shape, dtype=np.uint8)
+        self.dst = [int(s) for s in BLOCKS + self.rng.permutation(BLOCKS)]
+        self.staging = memoryview(bytearray(BLOCKS * self.codec.encoded_nbytes(1)))
+        self.cases: list[Case] = []
+        self.round_trips: dict[int, list[int]] = {}
+        self.tag = f"kvtier-bench-{uuid.uuid4().hex[:12]}"
+        self.tmp = Path(tempfile.mkdtemp(prefix=f"{self.tag}-", dir=_tmp_base()))
+        self.lmdb_tiers: list[LMDBTier] = []
+        self.raw_envs: list[lmdb.Environment] = []
+        self.redis_tiers: list[RedisTier] = []
+        self.redis_url = redis_url
+        self.raw_redis: redis.Redis | None = None
+        self.raw_redis_keys: list[bytes] = []
+        self.redis_error: str | None = None
+
+    # ------------------------------------------------------------- data
+    def prompt(self, c: int) -> Prompt:
+        """A new prompt: fresh block hashes, chunks of ``c``, slots scattered in the slab."""
+        hashes = [self.rng.bytes(16) for _ in range(BLOCKS)]
+        src = [int(s) for s in self.rng.permutation(BLOCKS)]
+        chunks = [ChunkRef(hashes[k + c - 1], k, c) for k in range(0, BLOCKS, c)]
+        slots = [src[ch.start : ch.start + c] for ch in chunks]
+        values = [self.codec.encode(ch.key, ch.start, self.rows, s) for ch, s in zip(chunks, slots)]
+        offsets = np.cumsum([0] + [len(v) for v in values]).tolist()
+        return Prompt(
+            c, hashes, chunks, [ch.key for ch in chunks], slots, values, offsets[-1], offsets[:-1]
+        )
+
+    def manager(self, tier: SpillTier) -> SpillManager:
+        return SpillManager([tier], [], self.host, _no_submit, max_pending_bytes=1 << 30)
+
+    def check_loaded(self, p: Prompt) -> None:
+        """The load targets hold exactly the prompt's blocks."""
+        src = [s for slots in p.slots for s in slots]
+        assert np.array_equal(self.rows[self.dst], self.rows[src]), "loaded blocks differ"
+
+    def open_lmdb(self, c: int) -> tuple[LMDBTier, lmdb.Environment, Any]:
+        tier = LMDBTier(self.tmp / f"tier-{c}", LMDB_CAPACITY, c, map_size=LMDB_MAP_SIZE)
+        self.lmdb_tiers.append(tier)
+        env = lmdb.open(
+            str(self.tmp / f"raw-{c}"),
+            map_size=LMDB_MAP_SIZE,
+            subdir=True,
+            lock=True,
+            writemap=False,
+            metasync=False,
+            sync=False,
+            readahead=False,
+            max_dbs=8,
+            max_spare_txns=8,
+        )
+        self.raw_envs.append(env)
+        return tier, env, env.open_db(b"data")
+
+    def open_redis(self, c: int) -> RedisTier | None:
+        if self.redis_error is not None:
+            return None
+        if self.raw_redis is None:
+            client = redis.Redis.from_url(self.redis_url, socket_timeout=5)
+            try:
+                client.ping()
+            except (redis.RedisError, OSError) as e:
+                self.redis_error = f"{type(e).__name__}: {e}"
+                print(f"{BENCHMARK}: no Redis at {self.redis_url} ({e}); "
+                      "skipping the Redis cases", file=sys.stderr)  # fmt: skip
+                return None
+            self.raw_redis = client
+        cfg = RedisTierConfig(url=self.redis_url, chunk_blocks=c, key_prefix=self.tag)
+        tier = RedisTier.from_config(cfg, namespace=f"c{c}")
+        self.redis_tiers.append(tier)
+        return tier
+
+    def raw_redis_key(self, key: bytes) -> bytes:
+        """A raw key as long as the tier's, under this run's prefix."""
+        k = f"{self.tag}:raw:".encode() + key.hex().encode()
+        self.raw_redis_keys.append(k)
+        return k
+
+    # ------------------------------------------------------------- cases
+    def add(self, case: Case) -> None:
+        self.cases.append(case)
+
+    def add_codec(self, c: int) -> None:
+        p = self.prompt(c)
+        codec, rows, hlen = self.codec, self.rows, self.codec.header_nbytes
+        bn = LAYOUT.block_nbytes
+        idx = [np.asarray(s, dtype=np.intp) for s in p.slots]
+
+        # Both keep the whole batch alive until they return, as the put path does.
+        def raw_encode(_: object) -> None:
+            _ = [np.take(rows, i, axis=0) for i in idx]
+
+        def encode(_: object) -> None:
+            _ = [codec.encode(ch.key, ch.start, rows, s) for ch, s in zip(p.chunks, p.slots)]
+
+        values = [bytes(v) for v in p.values]  # what a Redis read hands the sink
+        targets = [np.asarray(self.dst[ch.start : ch.start + c]) for ch in p.chunks]
+        payloads = [np.frombuffer(v, np.uint8, offset=hlen).reshape(c, bn) for v in values]
+
+        def raw_decode(_: object) -> None:
+            for t, pl in zip(targets, payloads):
+                rows[t] = pl
+
+        def decode(_: object) -> None:
+            for ch, v, t in zip(p.chunks, values, targets):
+                header, payload = codec.decode(v, ch.key)
+                if (header.first_position, header.num_blocks) != (ch.start, ch.num_blocks):
+                    raise AssertionError("wrong chunk")
+                rows[t] = payload
+
+        def check() -> None:
+            self.check_loaded(p)
+
+        none = _none
+        self.add(Case(f"raw encode chunk {c}", raw_encode, none, "raw", p.nbytes))
+        self.add(
+            Case(f"encode chunk {c}", encode, none, "throughput", p.nbytes,
+                 f"raw encode chunk {c}", ENCODE_CEILING)
+        )  # fmt: skip
+        self.add(Case(f"raw decode chunk {c}", raw_decode, none, "raw", p.nbytes))
+        self.add(
+            Case(f"decode chunk {c}", decode, none, "throughput", p.nbytes,
+                 f"raw decode chunk {c}", DECODE_CEILING, check=check)
+        )  # fmt: skip
+
+    def add_lmdb(self, c: int) -> None:
+        tier, env, db = self.open_lmdb(c)
+        put, get = self.prompt(c), self.prompt(c)
+        # The get batch, stored in both stores.
+        assert tier.put_many(list(zip(get.keys, get.values))) == len(get.keys)
+        with env.begin(write=True, db=db) as txn:
+            for k, v in zip(get.keys, get.values):
+                txn.put(k, bytes(v))
+
+        def delete_put_keys() -> None:
+            tier.delete_many(put.keys)
+
+        def raw_delete_put_keys() -> None:
+            with env.begin(write=True, db=db) as txn:
+                for k in put.keys:
+                    txn.delete(k)
+
+        raw_put_items = [(k, bytes(v)) for k, v in zip(put.keys, put.values)]
+
+        def raw_put(_: object) -> None:
+            with env.begin(write=True, db=db) as txn:
+                for k, v in raw_put_items:
+                    txn.put(k, v)
+
+        staging = self.staging
+
+        def raw_get(_: object) -> None:
+            with env.begin(db=db, buffers=True) as txn:
+                for k, off in zip(get.keys, get.offsets):
+                    v = txn.get(k)
+                    staging[off : off + len(v)] = v
+
+        def raw_lookup(_: object) -> None:
+            with env.begin(db=db, buffers=True) as txn:
+                _ = [txn.get(h) is not None for h in get.hashes]
+
+        self.add_tier_cases("lmdb", tier, put, get, raw_put, raw_delete_put_keys,
+                            delete_put_keys, raw_get, raw_lookup)  # fmt: skip
+
+    def add_redis(self, c: int) -> None:
+        tier = self.open_redis(c)
+        if tier is None:
+            return
+        r = self.raw_redis
+        assert r is not None
+        put, get = self.prompt(c), self.prompt(c)
+        assert tier.put_many(list(zip(get.keys, get.values))) == len(get.keys)
+        raw_get_keys = [self.raw_redis_key(k) for k in get.keys]
+        raw_put_keys = [self.raw_redis_key(k) for k in put.keys]
+        raw_lookup_keys = [self.raw_redis_key(h) for h in get.hashes]
+        pipe = r.pipeline(transaction=False)
+        for k, v in zip(raw_get_keys, get.values):
+            pipe.set(k, bytes(v))
+        pipe.execute()
+
+        def delete_put_keys() -> None:
+            tier.delete_many(put.keys)
+
+        def raw_delete_put_keys() -> None:
+            r.delete(*raw_put_keys)
+
+        raw_put_items = [(k, bytes(v)) for k, v in zip(raw_put_keys, put.values)]
+
+        def raw_put(_: object) -> None:
+            pipe = r.pipeline(transaction=False)
+            for k, v in raw_put_items:
+                pipe.set(k, v)
+            pipe.execute()
+
+        staging = self.staging
+
+        def raw_get(_: object) -> None:
+            pipe = r.pipeline(transaction=False)
+            for k in raw_get_keys:
+                pipe.get(k)
+            for v, off in zip(pipe.execute(), get.offsets):
+                staging[off : off + len(v)] = v
+
+        def raw_lookup(_: object) -> None:
+            pipe = r.pipeline(transaction=False)
+            for k in raw_lookup_keys:
+                pipe.exists(k)
+            pipe.execute()
+
+        self.add_tier_cases("redis", tier, put, get, raw_put, raw_delete_put_keys,
+                            delete_put_keys, raw_get, raw_lookup)  # fmt: skip
+
+    def add_tier_cases(
+        self,
+        name: str,
+        tier: SpillTier,
+        put: Prompt,
+        get: Prompt,
+        raw_put: Callable[[Any], None],
+        raw_setup: Callable[[], None],
+        setup: Callable[[], None],
+        raw_get: Callable[[Any], None],
+        raw_lookup: Callable[[Any], None],
+    ) -> None:
+        c = put.c
+        codec, rows = self.codec, self.rows
+        manager = self.manager(tier)
+        stored_full: list[int] = []
+        stored_no_check: list[int] = []
+        stored_only: list[int] = []
+        encoded = list(zip(put.keys, put.values))
+
+        def put_full(_: object) -> None:
+            # spill: encode under the cache lock, then SpillManager._put on an I/O worker
+            items = [
+                (ch.key, codec.encode(ch.key, ch.start, rows, s), len(s))
+                for ch, s in zip(put.chunks, put.slots)
+            ]
+            present = tier.contains_many([key for key, _, _ in items])
+            todo = [item for item, p in zip(items, present) if not p]
+            stored_full.append(tier.put_many([(key, value) for key, value, _ in todo]))
+
+        def put_no_check(_: object) -> None:
+            items = [
+                (ch.key, codec.encode(ch.key, ch.start, rows, s))
+                for ch, s in zip(put.chunks, put.slots)
+            ]
+            stored_no_check.append(tier.put_many(items))
+
+        def put_only(_: object) -> None:
+            stored_only.append(tier.put_many(encoded))
+
+        run = SpillRun(tier.name, 0, BLOCKS, tuple(get.chunks))
+        assert manager.lookup(get.hashes, 0) == [run], "lookup does not find the stored batch"
+        loaded: list[int] = []
+        loaded_only: list[int] = []
+
+        def load(_: object) -> None:
+            result = manager.load([run], self.dst)
+            loaded.append(result.num_blocks if not (result.bad or result.errors) else -1)
+
+        def check_load() -> None:
+            _expect(loaded, BLOCKS, "blocks loaded")()
+            self.check_loaded(get)
+
+        staging = self.staging
+        offsets = get.offsets
+
+        def sink(i: int, value: memoryview) -> None:
+            off = offsets[i]
+            staging[off : off + len(value)] = value
+
+        def get_only(_: object) -> None:
+            loaded_only.append(BLOCKS if all(tier.get_many(get.keys, sink)) else -1)
+
+        trips = self.round_trips.setdefault(c, []) if name == "redis" else None
+
+        found: list[bool] = []
+
+        def lookup(_: object) -> None:
+            before = getattr(tier, "round_trips", 0)
+            runs = manager.lookup(get.hashes, 0)
+            if trips is not None:
+                trips.append(tier.round_trips - before)
+            found.append(runs == [run])
+
+        target = TARGET_RATIO if c >= TARGET_MIN_CHUNK else None
+        n = put.nbytes
+        add, thr = self.add, "throughput"
+        raw = f"raw {name} put chunk {c}"
+        add(Case(raw, raw_put, raw_setup, "raw", n))
+        nkeys, what = len(put.keys), PUT_CEILING[name]
+        add(Case(f"{name} put chunk {c}", put_full, setup, thr, n, raw, what, target,
+                 check=_expect(stored_full, nkeys, "stored")))  # fmt: skip
+        add(Case(f"{name} put chunk {c} no contains check", put_no_check, setup, thr, n, raw,
+                 what, check=_expect(stored_no_check, nkeys, "stored")))  # fmt: skip
+        add(Case(f"{name} put chunk {c} put_many only", put_only, setup, thr, n, raw, what,
+                 check=_expect(stored_only, nkeys, "stored")))  # fmt: skip
+        raw = f"raw {name} get chunk {c}"
+        n = get.nbytes
+        add(Case(raw, raw_get, _none, "raw", n))
+        add(Case(f"{name} get chunk {c}", load, _none, thr, n, raw, GET_CEILING[name], target,
+                 check=check_load))  # fmt: skip
+        add(Case(f"{name} get chunk {c} get_many only", get_only, _none, thr, n, raw,
+                 GET_CEILING[name], check=_expect(loaded_only, BLOCKS, "blocks read")))  # fmt: skip
+        raw = f"raw {name} lookup chunk {c}"
+        add(Case(raw, raw_lookup, _none, "raw"))
+        add(Case(f"{name} lookup chunk {c} 4k tokens", lookup, _none, "time", 0, raw,
+                 LOOKUP_CEILING[name], check=_expect(found, True, "lookup found it")))  # fmt: skip
+
+    # ------------------------------------------------------------- running
+    def run(self) -> None:
+        for c in CHUNKS:
+            self.add_codec(c)
+            self.add_lmdb(c)
+            self.add_redis(c)
+        groups: list[list[Case]] = []  # a raw case and the kvtier cases it is the ceiling of
+        for case in self.cases:
+            if case.kind == "raw" or not groups:
+                groups.append([])
+            groups[-1].append(case)
+        steps = [(r, g) for r in range(self.rounds) for g in groups]
+        for _, group in progress(steps, desc=BENCHMARK):
+            # Samples alternate between the cases of a group: raw, kvtier, raw, kvtier...
+            for i in range(self.per_round):
+                for case in group:
+                    case.samples += measure_samples(
+                        case.timed, 1, warmup=0 if i else 1, setup=case.setup
+                    )
+            for case in group:
+                case.check()
+
+    def close(self) -> None:
+        """Close every store and delete everything this run wrote."""
+        for tier in self.lmdb_tiers:
+            tier.close()
+        for env in self.raw_envs:
+            env.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        for tier in self.redis_tiers:
+            try:
+                tier.clear()
+            finally:
+                tier.close()
+        if self.raw_redis is not None:
+            keys = list(dict.fromkeys(self.raw_redis_keys))
+            for i in range(0, len(keys), 1000):
+                self.raw_redis.delete(*keys[i : i + 1000])
+            leftover = list(self.raw_redis.scan_iter(match=f"{self.tag}*", count=1000))
+            if leftover:
+                self.raw_redis.delete(*leftover)
+            self.raw_redis.close()
+
+    # ------------------------------------------------------------- results
+    def results(self) -> list[Result]:
+        by_name = {c.name: c for c in self.cases}
+        rows: list[Result] = []
+        for case in self.cases:
+            if case.kind == "raw":
+                continue
+            ceiling = by_name[case.ceiling] if case.ceiling else None
+            if case.kind == "throughput":
+                value, lo, hi = _throughput(case)
+                rows.append(
+                    Result(
+                        case=case.name,
+                        metric="throughput, value bytes per second",
+                        unit="GB/s",
+                        value=value,
+                        min=lo,
+                        max=hi,
+                        ceiling=_throughput(ceiling)[0] if ceiling else None,
+                        ceiling_what=case.ceiling_what,
+                        target=case.target,
+                    )
+                )
+            else:
+                med, lo, hi = (x * 1e6 for x in summarize(case.samples))
+                rows.append(
+                    Result(
+                        case=case.name,
+                        metric="time per lookup of a 4k-token prompt (256 block hashes)",
+                        unit="µs",
+                        value=med,
+                        min=lo,
+                        max=hi,
+                        ceiling=summarize(ceiling.samples)[0] * 1e6 if ceiling else None,
+                        ceiling_what=case.ceiling_what,
+                        higher_is_better=False,
+                    )
+                )
+        for c, trips in self.round_trips.items():
+            if trips:
+                rows.append(
+                    Result(
+                        case=f"redis lookup chunk {c} 4k tokens round trips",
+                        metric="RedisTier.round_trips per lookup of a 4k-token prompt (worst)",
+                        unit="round trips",
+                        value=max(trips),
+                        min=min(trips),
+                        max=max(trips),
+                        target=ROUND_TRIP_TARGET,
+                        target_kind="value",
+                        higher_is_better=False,
+                    )
+                )
+        return sorted(rows, key=lambda r: _case_order(r.case))
+
+    def fault_lines(self) -> list[str]:
+        """Median minor page faults per call of the main put/get cases and their ceilings."""
+        by_name = {c.name: c for c in self.cases}
+        lines = []
+        main = [c for c in self.cases if c.kind == "throughput" and len(c.name.split()) == 4]
+        for case in sorted(main, key=lambda c: _case_order(c.name)):
+            if case.ceiling:
+                raw = by_name[case.ceiling]
+                lines.append(
+                    f"{case.name}: {statistics.median(case.faults):.0f} "
+                    f"(raw {statistics.median(raw.faults):.0f})"
+                )
+        return lines
+
+
+def _case_order(name: str) -> tuple[int, int, int, int]:
+    """Table order: tier (then the codec), operation, chunk size, main case first."""
+    words = name.split()
+    group = ("lmdb", "redis", "encode", "decode").index(words[0])
+    op = next((i for i, w in enumerate(("put", "get", "lookup")) if w in words), 0)
+    c = int(words[words.index("chunk") + 1])
+    rest = " ".join(words[words.index("chunk") + 2 :])
+    variant = ("", "no contains check", "put_many only", "get_many only", "4k tokens")
+    return group, op, c, variant.index(rest) if rest in variant else len(variant)
+
+
+def _throughput(case: Case) -> tuple[float, float, float]:
+    med, lo, hi = summarize(case.samples)
+    return case.nbytes / med / GB, case.nbytes / hi / GB, case.nbytes / lo / GB
+
+
+def _expect(results: list[Any], expected: object, what: str) -> Callable[[], None]:
+    """A check that every call since the last check returned ``expected`` (and one did)."""
+
+    def check() -> None:
+        bad = [r for r in results if r != expected]
+        assert results and not bad, f"{what}: expected {expected!r}, got {bad or 'no calls'}"
+        results.clear()
+
+    return check
+
+
+def _none() -> None:
+    return None
+
+
+def _no_submit(*args: object, **kwargs: object) -> Any:
+    raise AssertionError("the benchmark never spills through the manager's I/O worker")
+
+
+def fault_cost_us(nbytes: int = 16 << 20) -> float:
+    """µs per minor page fault: first touches of a fresh anonymous mapping."""
+    page = mmap.PAGESIZE
+    with mmap.mmap(-1, nbytes) as m:
+        a = np.frombuffer(m, dtype=np.uint8)
+        t0 = time.perf_counter()
+        a[::page] = 1
+        t1 = time.perf_counter()
+        del a
+    return (t1 - t0) / (nbytes // page) * 1e6
+
+
+def keep_freed_memory() -> str:
+    """Make glibc keep freed memory for reuse instead of handing it back to the kernel.
+
+    By default glibc returns the top of the heap to the kernel once more than 128 KiB
+    (or twice the largest freed mmap chunk) is free there, and serves big blocks with
+    fresh mmaps, so whether a call pays a page fault per 4 KiB of the values it
+    allocates (8 MiB: 2048 faults) depends on which object happens to sit at the top
+    of the heap: it flips between otherwise equal cases. Raising both thresholds gives
+    every case the steady state of a long-running server, where freed memory is reused.
+    Returns what was set, for the output.
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return "unchanged (no glibc mallopt)"
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    trim, mmap_max = 1 << 30, 32 << 20  # 32 MiB: glibc's largest mmap threshold
+    if mallopt(m_trim_threshold, trim) != 1 or mallopt(m_mmap_threshold, mmap_max) != 1:
+        return "unchanged (mallopt failed)"
+    return "trim threshold 1 GiB, mmap threshold 32 MiB (freed memory is reused)"
+
+
+def _tmp_base() -> str | None:
+    shm = "/dev/shm"
+    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
+
+
+def main() -> int:
+    parser = standard_args(__doc__.split("\n", 1)[0])
+    parser.add_argument(
+        "--redis-url",
+        default="redis://127.0.0.1:6379/0",
+        help="the Redis server to use (keys get a unique prefix and are deleted afterwards)",
+    )
+    parser.add_argument(
+        "--malloc-default",
+        action="store_true",
+        help="keep glibc's default trim/mmap thresholds (see the module docstring)",
+    )
+    args = parser.parse_args()
+    malloc = "glibc defaults" if args.malloc_default else keep_freed_memory()
+    bench = Bench(args.quick, args.redis_url)
+    load_before = os.getloadavg()[0]
+    fault_us = fault_cost_us()
+    try:
+        bench.run()
+    finally:
+        bench.close()
+    results = bench.results()
+    machine = machine_info("cpu")
+    tmp = str(bench.tmp.parent)
+    print(
+        f"{BENCHMARK}{' --quick' if args.quick else ''}: {machine['cpu']}, "
+        f"{machine['cores']} cores, torch {machine['torch']}, lmdb {lmdb.__version__}, "
+        f"redis-py {redis.__version__}; {bench.rounds} rounds x {bench.per_round} samples, "
+        f"each after 1 warm-up; load average {load_before:.2f} before, "
+        f"{os.getloadavg()[0]:.2f} after"
+    )
+    print(
+        f"layout: {LAYOUT.describe()} = {LAYOUT.block_nbytes // 1024} KiB/block; batch = "
+        f"{BLOCKS} blocks ({PROMPT_TOKENS} tokens, {BLOCKS * LAYOUT.block_nbytes >> 20} MiB) "
+        f"in chunks of {', '.join(map(str, CHUNKS))}; LMDB in {tmp}"
+        f"{' (tmpfs)' if tmp == '/dev/shm' else ''}; Redis at {args.redis_url}"
+        + (f" UNAVAILABLE ({bench.redis_error})" if bench.redis_error else "")
+        + f"; malloc: {malloc}"
+    )
+    print_table(results)
+    print(
+        f"minor page faults per call (median; a first touch of a page costs {fault_us:.1f} µs "
+        f"here, {4096 / fault_us / 1e3:.2f} GB/s):"
+    )
+    for line in bench.fault_lines():
+        print(f"  {line}")
+    if args.out:
+        write_json(args.out, BENCHMARK, results, machine)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
