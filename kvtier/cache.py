@@ -330,6 +330,8 @@ class TieredCache:
             if p is not None and p.result is None:
                 if not p.future.cancel():
                     p.future.exception()  # a started load is short: let it finish
+                if p.load is not None:
+                    self.spill.settle_load(p.load)  # count and delete what it found bad
                 self.host.free(p.host_slots + p.spill_slots)
             freed = self.manager.free(req_id)
             self._poll()

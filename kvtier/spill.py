@@ -15,6 +15,13 @@ the slots are still valid, and written by an I/O worker:
   are written when they are evicted. Blocks usually reach the host tail first, so a
   chunk whose tail arrived before its head is remembered under the hash it was
   missing and completed when that block arrives.
+- cascade: a tier that evicts values to make room (LMDB) passes them to the next tier
+  in spill order, when both use the same chunk size (a value cannot be re-chunked:
+  it does not carry the hashes of its inner blocks).
+
+Writes are queued to I/O workers with a bound on the bytes in flight; past it, a
+write is dropped and counted (the tier is not keeping up). A tier never gets a chunk
+it already holds (one existence check per batch first).
 
 Read path. ``lookup`` asks each tier in order, with one batched existence check,
 for the chunks that continue the prefix the tiers above it hold; ``load`` (on an I/O
@@ -34,6 +41,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import numpy as np
 
@@ -120,6 +128,17 @@ class SpillManager:
         # Incomplete write-through chunks: missing hash -> (tier, tail hash, tail position).
         self._waiting: dict[bytes, list[tuple[SpillTier, bytes, int]]] = {}
         self._max_pending = max_pending_bytes
+        for upper, lower in zip(self.tiers, self.tiers[1:]):
+            if upper.chunk_blocks == lower.chunk_blocks:
+                upper.on_evict = partial(self._cascade, lower)
+            else:  # a value cannot be re-chunked: it does not hold its blocks' hashes
+                log.info(
+                    "kvtier: %s evictions are not passed to %s (chunk_blocks %d != %d)",
+                    upper.name,
+                    lower.name,
+                    upper.chunk_blocks,
+                    lower.chunk_blocks,
+                )
         self._pending = 0
         self._writes: set[Future] = set()
         self._lock = threading.Lock()
@@ -301,18 +320,35 @@ class SpillManager:
         if not chunks:
             return
         nbytes = sum(self.codec.encoded_nbytes(len(slots)) for _, _, slots in chunks)
-        with self._lock:
-            if self._pending + nbytes > self._max_pending:  # the tier is not keeping up
-                self._stats[tier.name].dropped += sum(len(slots) for _, _, slots in chunks)
-                return
-            self._pending += nbytes
-        items = [
-            (key, self.codec.encode(key, start, self._rows, slots), len(slots))
-            for key, start, slots in chunks
-        ]
-        self._background(tier, self._put, tier, items, nbytes)
+        if self._reserve(tier, nbytes, sum(len(slots) for _, _, slots in chunks)):
+            items = [
+                (key, self.codec.encode(key, start, self._rows, slots), len(slots))
+                for key, start, slots in chunks
+            ]
+            self._background(tier, self._put, tier, items, nbytes)
 
-    def _put(self, tier: SpillTier, items: list[tuple[bytes, bytearray, int]], nbytes: int) -> None:
+    def _cascade(self, tier: SpillTier, evicted: list[tuple[bytes, bytes]]) -> None:
+        """The tier above ``tier`` evicted these chunk values: pass them down as they are
+        (same chunk size; ``tier`` checks them when it reads them, like any value)."""
+        header, bn = self.codec.header_nbytes, self.codec.block_nbytes
+        items = [(key, value, (len(value) - header) // bn) for key, value in evicted]
+        nbytes = sum(len(value) for _, value in evicted)
+        if self._reserve(tier, nbytes, sum(n for _, _, n in items)):
+            self._background(tier, self._put, tier, items, nbytes)
+
+    def _reserve(self, tier: SpillTier, nbytes: int, blocks: int) -> bool:
+        """Count ``nbytes`` as queued for a write; False (and the blocks dropped) when the
+        queue is full, i.e. the tier is not keeping up."""
+        with self._lock:
+            if self._pending + nbytes > self._max_pending:
+                self._stats[tier.name].dropped += blocks
+                return False
+            self._pending += nbytes
+            return True
+
+    def _put(
+        self, tier: SpillTier, items: list[tuple[bytes, memoryview, int]], nbytes: int
+    ) -> None:
         """Store the chunks the tier does not hold yet (runs on an I/O worker)."""
         try:
             present = tier.contains_many([key for key, _, _ in items])

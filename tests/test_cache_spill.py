@@ -192,3 +192,19 @@ cache.close()
     assert served.hit.tokens_per_tier().get("disk", 0) >= 32
     assert served.valid_tokens == served.hit.num_tokens
     cache.close()
+
+
+def test_a_full_disk_tier_passes_its_evictions_to_redis(tmp_path):
+    cfg = config(tmp_path)
+    cfg["tiers"]["redis"] = {"chunk_blocks": 4, "write_policy": "write_back"}
+    disk = LMDBTier(tmp_path / "lmdb", capacity=8 * (4 * BLOCK_NBYTES + 200), chunk_blocks=4)
+    redis = fake_redis(chunk_blocks=4)
+    cache = TieredCache(parse_config(cfg), tiers=[disk, redis])
+    a = prompt(1, 12)
+    serve(cache, "a", a)
+    push_down(cache, range(16))  # far more than the disk holds
+    assert redis.usage().entries > 0 and cache.stats()["redis"].blocks_in > 0
+    served = serve(cache, "a2", a)  # checks every block bit for bit
+    assert served.hit.tokens_per_tier().get("redis", 0) > 0
+    assert served.valid_tokens == served.hit.num_tokens
+    cache.close()

@@ -25,6 +25,9 @@ Buffer = bytes | bytearray | memoryview
 # The buffer is valid only during the call (it may point into a memory map).
 ValueSink = Callable[[int, memoryview], None]
 
+# Receives the (key, value) pairs a tier evicted to make room, after they are gone.
+EvictionSink = Callable[[list[tuple[bytes, bytes]]], None]
+
 
 class TierError(RuntimeError):
     """The tier's store could not be reached or failed; the batch did not happen."""
@@ -44,6 +47,10 @@ class SpillTier(ABC):
 
     name: str  # "disk", "redis": the config section it was built from
     chunk_blocks: int  # blocks per chunk written to this tier
+    # Set by the owner to pass evicted values on (to the next tier). Called on the thread
+    # whose put caused the eviction, after its batch has committed. A tier whose store
+    # evicts on its own (Redis under maxmemory) never calls it.
+    on_evict: EvictionSink | None = None
 
     @abstractmethod
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:

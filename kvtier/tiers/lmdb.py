@@ -265,9 +265,10 @@ class LMDBTier(SpillTier):
         if self.usage().nbytes > self.capacity:  # reopened with a smaller capacity
 
             def shrink(txn: lmdb.Transaction) -> int:
-                total, evicted = self._evict(txn, _int(txn.get(_NBYTES, db=self._meta)), 0)
+                evicted: list[tuple[bytes, bytes]] = []
+                total = self._evict(txn, _int(txn.get(_NBYTES, db=self._meta)), 0, evicted, False)
                 txn.put(_NBYTES, _u64(total), db=self._meta)
-                return evicted
+                return len(evicted)
 
             self._count_evictions(self._run(shrink, write=True))
 
@@ -391,13 +392,20 @@ class LMDBTier(SpillTier):
             txn.delete(key, db=self._atime)
         return size
 
-    def _evict(self, txn: lmdb.Transaction, total: int, room: int) -> tuple[int, int]:
+    def _evict(
+        self,
+        txn: lmdb.Transaction,
+        total: int,
+        room: int,
+        evicted: list[tuple[bytes, bytes]],
+        keep_values: bool,
+    ) -> int:
         """Delete LRU entries until ``room`` more bytes fit beside ``total`` bytes.
 
-        Returns the new total and how many values went. The caller writes the total
-        to ``meta`` and counts the evictions once its transaction has committed.
+        Returns the new total; appends ``(key, value)`` to ``evicted`` for each value
+        that went (the value copied out when ``keep_values``, else ``b""``). The caller
+        writes the total to ``meta`` and reports the evictions once it has committed.
         """
-        evicted = 0
         with txn.cursor(db=self._lru) as cur:
             while total + room > self.capacity and cur.first():
                 key = bytes(cur.key()[_SEQ_LEN:])
@@ -406,9 +414,9 @@ class LMDBTier(SpillTier):
                 value = txn.get(key, db=self._data)
                 if value is not None:
                     total -= len(value)
+                    evicted.append((key, bytes(value) if keep_values else b""))
                     txn.delete(key, db=self._data)
-                evicted += 1
-        return total, evicted
+        return total
 
     def _count_evictions(self, n: int) -> None:
         if n:
@@ -453,12 +461,22 @@ class LMDBTier(SpillTier):
         found = self._run(read, write=False)
         hits = list(dict.fromkeys(bytes(k) for k, f in zip(keys, found) if f))
         if hits:
+            atime, lru, meta = self._atime, self._lru, self._meta
 
             def bump(txn: lmdb.Transaction) -> None:
-                seq = _int(txn.get(_SEQ, db=self._meta))
+                # _touch(txn, key, seq, bump=True) for each hit, inlined (per-key cost)
+                replace, delete, put = txn.replace, txn.delete, txn.put
+                seq = _int(txn.get(_SEQ, db=meta))
                 for key in hits:
-                    seq += self._touch(txn, key, seq, bump=True)
-                txn.put(_SEQ, _u64(seq), db=self._meta)
+                    stamp = seq.to_bytes(8, "big")
+                    old = replace(key, stamp, db=atime)  # a copy of the old stamp
+                    if old is None:  # gone since it was read: leave it gone
+                        delete(key, db=atime)
+                        continue
+                    delete(old + key, db=lru)
+                    put(stamp + key, b"", db=lru)
+                    seq += 1
+                put(_SEQ, _u64(seq), db=meta)
 
             self._run(bump, write=True)
         return found
@@ -470,10 +488,13 @@ class LMDBTier(SpillTier):
         capacity = self.capacity
         data, meta = self._data, self._meta
 
-        def put(txn: lmdb.Transaction) -> tuple[int, int]:
+        keep = self.on_evict is not None  # evicted values are copied out only if taken
+
+        def put(txn: lmdb.Transaction) -> tuple[int, list[tuple[bytes, bytes]]]:
             total = _int(txn.get(_NBYTES, db=meta))
             seq = _int(txn.get(_SEQ, db=meta))
-            stored = evicted = 0
+            stored = 0
+            evicted: list[tuple[bytes, bytes]] = []
             for key, value in items:
                 key = bytes(key)
                 size = memoryview(value).nbytes
@@ -487,8 +508,7 @@ class LMDBTier(SpillTier):
                         txn.delete(bytes(stamp) + key, db=self._lru)
                         txn.delete(key, db=self._atime)
                 if total + size > capacity:
-                    total, n = self._evict(txn, total, size)
-                    evicted += n
+                    total = self._evict(txn, total, size, evicted, keep)
                 txn.put(key, value, db=data)
                 self._touch(txn, key, seq)
                 seq += 1
@@ -499,7 +519,9 @@ class LMDBTier(SpillTier):
             return stored, evicted
 
         stored, evicted = self._run(put, write=True)
-        self._count_evictions(evicted)  # only once the batch has committed
+        self._count_evictions(len(evicted))  # only once the batch has committed
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
         return stored
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
