@@ -11,10 +11,11 @@ the slots are still valid, and written by an I/O worker:
   tier in spill order receives each victim's chunk (the blocks from the chunk's
   start up to the victim; one value per chunk however many of its blocks go).
 - ``write_through`` tiers: a chunk is written as soon as all its ``C`` blocks are in
-  the host pool (so other instances sharing the tier see it early); partial chunks
-  are written when they are evicted. Blocks usually reach the host tail first, so a
-  chunk whose tail arrived before its head is remembered under the hash it was
-  missing and completed when that block arrives.
+  the host pool (so other instances sharing the tier see it early), and again offered
+  when its blocks are evicted, with the partial chunks (so a write that failed during
+  an outage gets another chance; the existence check skips what is there). Blocks
+  usually reach the host tail first, so a chunk whose tail arrived before its head is
+  remembered under the hash it was missing and completed when that block arrives.
 - cascade: a tier that evicts values to make room (LMDB) passes them to the next tier
   in spill order, when both use the same chunk size (a value cannot be re-chunked:
   it does not carry the hashes of its inner blocks).
@@ -242,10 +243,8 @@ class SpillManager:
     # ------------------------------------------------------------------ write path
     def on_host_evict(self, victims: CachedBlocks) -> None:
         """Host eviction hook: spill the victims' chunks before their slots are reused."""
-        if self._back is not None:
-            self._write_chunks(self._back, victims, partial_only=False)
-        for tier in self._through:
-            self._write_chunks(tier, victims, partial_only=True)
+        for tier in ([self._back] if self._back else []) + self._through:
+            self._write_chunks(tier, victims)
 
     def on_host_publish(self, blocks: CachedBlocks) -> None:
         """Write-through: write every chunk that these newly cached blocks complete."""
@@ -294,7 +293,7 @@ class SpillManager:
             return
         self._encode_and_put(tier, [(tail, position - c + 1, slots)])
 
-    def _write_chunks(self, tier: SpillTier, victims: CachedBlocks, partial_only: bool) -> None:
+    def _write_chunks(self, tier: SpillTier, victims: CachedBlocks) -> None:
         c = tier.chunk_blocks
         covered: set[int] = set()
         chunks = []
@@ -305,8 +304,6 @@ class SpillManager:
                 continue
             p = victims.positions[i]
             start = p // c * c
-            if partial_only and p == start + c - 1:
-                continue  # a full chunk: written when it completed
             slots, missing = self.host.walk_back(victims.hashes[i], p - start + 1)
             if missing is not None:
                 with self._lock:

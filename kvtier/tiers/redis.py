@@ -255,7 +255,9 @@ class RedisTier(SpillTier):
                 client = RedisCluster(
                     url=f"{scheme}://{first}",
                     startup_nodes=nodes,
-                    retry=Retry(NoBackoff(), 1),
+                    # No retry: each attempt at a hung node costs a socket timeout, and the
+                    # tier re-runs a batch itself only on a redirection.
+                    retry=Retry(NoBackoff(), 0),
                     **opts,
                 )
             except _REDIS_ERRORS as e:
