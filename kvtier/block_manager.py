@@ -95,6 +95,10 @@ class BlockManager:
         queue count as not free, since taking them removes them from it. Raises
         ``StaleHitError`` if a hit block was reused since ``lookup``.
         """
+        if num_new_tokens < 0:
+            raise ValueError(
+                f"request {req_id!r}: num_new_tokens must be >= 0, got {num_new_tokens}"
+            )
         req = self._requests.get(req_id)
         if req is None:
             req = self._requests[req_id] = RequestState()

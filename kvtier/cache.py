@@ -33,6 +33,7 @@ import logging
 import threading
 from collections.abc import Hashable
 from concurrent.futures import Future
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from os import PathLike
 
@@ -107,6 +108,7 @@ class _Prefetch:
     load: LoadResult | None = None
     result: int | None = None  # tokens of valid KV once settled
     acknowledged: bool = False  # the engine has seen ``result`` through wait()
+    held: list = field(default_factory=list)  # spill writes started after the reads
     nbytes: int = 0
     seconds: float = 0.0
 
@@ -126,13 +128,15 @@ def _resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _open_spill_tiers(config: KVTierConfig, namespace: str) -> list[SpillTier]:
-    """The configured spill tiers in spill order; one that cannot be opened is left out
-    with a warning, unless it is ``required``."""
+def _open_spill_tiers(config: KVTierConfig, namespace: str) -> tuple[list[SpillTier], list[str]]:
+    """The configured spill tiers in spill order, and the names of those that could not
+    be opened: left out with a warning, or, if ``required``, a ``TierError`` (after
+    closing the ones already open)."""
     from kvtier.tiers.lmdb import LMDBTier
     from kvtier.tiers.redis import RedisTier
 
     tiers: list[SpillTier] = []
+    failed: list[str] = []
     for name in config.tiers.spill_order:
         cfg = getattr(config.tiers, name)
         try:
@@ -143,11 +147,14 @@ def _open_spill_tiers(config: KVTierConfig, namespace: str) -> list[SpillTier]:
             )
         except TierError as e:
             if cfg.required:
+                for opened in tiers:
+                    opened.close()
                 raise
             log.warning("kvtier: %s tier disabled, it could not be opened: %s", name, e)
+            failed.append(name)
             continue
         tiers.append(tier)
-    return tiers
+    return tiers, failed
 
 
 class TieredCache:
@@ -189,9 +196,17 @@ class TieredCache:
         self._lock = threading.RLock()
         self._offloads: list[_Offload] = []
         self._prefetches: dict[Hashable, _Prefetch] = {}
-        if tiers is None:
-            tiers = _open_spill_tiers(config, root.hex()[:16]) if cpu else []
-        self._stats = CacheStats({"gpu": TierStats(), **({"cpu": TierStats()} if cpu else {})})
+        failed: list[str] = []
+        if tiers is None and cpu:
+            tiers, failed = _open_spill_tiers(config, root.hex()[:16])
+        # A tier left out at start-up stays visible: one error, nothing else.
+        self._stats = CacheStats(
+            {
+                "gpu": TierStats(),
+                **({"cpu": TierStats()} if cpu else {}),
+                **{name: TierStats(errors=1) for name in failed},
+            }
+        )
         self.spill: SpillManager | None = None
         if tiers:
             through = [t.name for t in tiers if _policy(config, t.name) == "write_through"]
@@ -259,20 +274,25 @@ class TieredCache:
                 # that must not reuse the slots we are about to read.
                 self.host.touch(host_slots)
             below = len(host_slots) + hit.spill_blocks
-            try:
-                new = self.manager.allocate(
-                    req_id, below * self.block_size + num_new_tokens, list(hit.gpu_blocks)
-                )
-            except BaseException:
-                if host_slots:
-                    self.host.free(host_slots)
-                raise
+            # The spill writes this allocation causes wait for the prefetch's reads: on a
+            # full tier they would otherwise evict the very chunks the hit found.
+            with self.spill.holding_writes() if self.spill else nullcontext([]) as held:
+                try:
+                    new = self.manager.allocate(
+                        req_id, below * self.block_size + num_new_tokens, list(hit.gpu_blocks)
+                    )
+                except BaseException:
+                    if host_slots:
+                        self.host.free(host_slots)
+                    raise
+                if new is not None and below:
+                    self._start_prefetch(req_id, hit, first, new[:below], held)
+            if held:
+                self.spill.start_writes(held)
             if new is None:
                 if host_slots:
                     self.host.free(host_slots)
                 return None
-            if below:
-                self._start_prefetch(req_id, hit, first, new[:below])
             return list(self.manager.block_ids(req_id))
 
     def ready(self, req_id: Hashable) -> bool:
@@ -328,7 +348,10 @@ class TieredCache:
         with self._lock:
             p = self._prefetches.pop(req_id, None)
             if p is not None and p.result is None:
-                if not p.future.cancel():
+                if p.future.cancel():
+                    if p.held:  # the worker never ran: its held writes start here
+                        self.spill.start_writes(p.held)
+                else:
                     p.future.exception()  # a started load is short: let it finish
                 if p.load is not None:
                     self.spill.settle_load(p.load)  # count and delete what it found bad
@@ -383,9 +406,10 @@ class TieredCache:
             s["cpu"].misses += wanted - gpu - host
 
     def _start_prefetch(
-        self, req_id: Hashable, hit: PrefixHit, first: int, blocks: list[int]
+        self, req_id: Hashable, hit: PrefixHit, first: int, blocks: list[int], held: list
     ) -> None:
-        """Fill ``blocks`` from the hit's host slots (pinned) and spill runs, on a worker."""
+        """Fill ``blocks`` from the hit's host slots (pinned) and spill runs, on a worker,
+        which then starts the ``held`` spill writes (they now wait for the reads)."""
         runs = hit.spill
         spill_slots: list[int] = []
         if runs:
@@ -393,7 +417,11 @@ class TieredCache:
             n = min(hit.spill_blocks, self.host.num_free)
             spill_slots = self.host.allocate(n)
             runs = _truncate(runs, n)
+        if not runs:
+            held = []  # nothing to read below the host: the writes may start at once
         p = _Prefetch(first, blocks, list(hit.host_slots), spill_slots, runs)
+        p.held = list(held)
+        held.clear()
         p.future = self.transfer.submit(self._run_prefetch, p, self.transfer.mark())
         self._prefetches[req_id] = p
 
@@ -402,7 +430,10 @@ class TieredCache:
         many leading blocks of ``p.blocks`` now hold checked KV."""
         valid = len(p.host_slots)
         if p.runs:
-            p.load = self.spill.load(p.runs, p.spill_slots)
+            try:
+                p.load = self.spill.load(p.runs, p.spill_slots)
+            finally:
+                self.spill.start_writes(p.held)
             valid += p.load.num_blocks
         slots = (p.host_slots + p.spill_slots)[:valid]
         transfer = self.transfer.copy(self.host.slab, slots, self.gpu.kv, p.blocks[:valid], after)

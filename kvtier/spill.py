@@ -39,8 +39,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import partial
 
@@ -50,11 +51,12 @@ from kvtier.block_pool import CachedBlocks
 from kvtier.chunk import BadChunk, ChunkCodec, byte_rows
 from kvtier.host_pool import HostPool
 from kvtier.metrics import TierStats
-from kvtier.tiers.base import SpillTier, TierError
+from kvtier.tiers.base import SpillTier
 
 log = logging.getLogger(__name__)
 
 Submit = Callable[..., Future]
+HeldWrite = tuple[SpillTier, list, int]  # tier, (key, value, blocks) items, bytes
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,7 @@ class SpillManager:
         # Incomplete write-through chunks: missing hash -> (tier, tail hash, tail position).
         self._waiting: dict[bytes, list[tuple[SpillTier, bytes, int]]] = {}
         self._max_pending = max_pending_bytes
+        self._held: list[HeldWrite] | None = None
         for upper, lower in zip(self.tiers, self.tiers[1:]):
             if upper.chunk_blocks == lower.chunk_blocks:
                 upper.on_evict = partial(self._cascade, lower)
@@ -156,7 +159,7 @@ class SpillManager:
             first = start // c * c
             try:
                 present = tier.contains_many(hashes[first:end])
-            except TierError as e:
+            except Exception as e:  # any failure of a tier is a miss, never the engine's
                 self._count_error(tier.name, e)
                 continue
             found = _extend_prefix(present, first, start, end, c)
@@ -211,7 +214,7 @@ class SpillManager:
 
             try:
                 tier.get_many([c.key for c in run.chunks], sink)
-            except TierError as e:
+            except Exception as e:  # what loaded before the failure is still good
                 result.errors.append(run.tier)
                 log.warning("kvtier: %s tier read failed: %s", run.tier, e)
             good = next((i for i, v in enumerate(ok) if not v), len(ok))
@@ -262,13 +265,31 @@ class SpillManager:
     def stats(self) -> dict[str, TierStats]:
         """A snapshot of each spill tier's counters."""
         with self._lock:
-            return {name: replace(s) for name, s in self._stats.items()}
+            return {t.name: replace(self._stats[t.name], evictions=t.evictions) for t in self.tiers}
 
     def close(self) -> None:
         """Finish queued writes and close every tier."""
         self.flush()
         for tier in self.tiers:
             tier.close()
+
+    @contextmanager
+    def holding_writes(self) -> Iterator[list[HeldWrite]]:
+        """Hold back the writes made inside (the caller holds its lock) and yield them;
+        the caller starts them with ``start_writes``, e.g. once a load that the writes
+        could evict from its tier has read what it needs."""
+        held: list[HeldWrite] = []
+        self._held = held
+        try:
+            yield held
+        finally:
+            self._held = None
+
+    def start_writes(self, held: list[HeldWrite]) -> None:
+        """Queue writes that ``holding_writes`` held back (any thread)."""
+        while held:
+            tier, items, nbytes = held.pop()
+            self._background(tier, self._put, tier, items, nbytes)
 
     def flush(self) -> None:
         """Wait for every queued write."""
@@ -322,7 +343,10 @@ class SpillManager:
                 (key, self.codec.encode(key, start, self._rows, slots), len(slots))
                 for key, start, slots in chunks
             ]
-            self._background(tier, self._put, tier, items, nbytes)
+            if self._held is not None:
+                self._held.append((tier, items, nbytes))
+            else:
+                self._background(tier, self._put, tier, items, nbytes)
 
     def _cascade(self, tier: SpillTier, evicted: list[tuple[bytes, bytes]]) -> None:
         """The tier above ``tier`` evicted these chunk values: pass them down as they are

@@ -52,6 +52,11 @@ class SpillTier(ABC):
     # evicts on its own (Redis under maxmemory) never calls it.
     on_evict: EvictionSink | None = None
 
+    @property
+    def evictions(self) -> int:
+        """Values this tier evicted to make room (0 where the store evicts on its own)."""
+        return 0
+
     @abstractmethod
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         """Which keys are present, in one batch (one round trip / one transaction)."""

