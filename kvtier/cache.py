@@ -214,7 +214,7 @@ class TieredCache:
                 tiers,
                 through,
                 self.host,
-                self.transfer.submit,
+                config.transfer.io_threads,
                 max_pending_bytes=max(cpu.capacity // 2, 64 << 20),
             )
             self.host.on_evict = self.spill.on_host_evict

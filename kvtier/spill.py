@@ -31,8 +31,10 @@ worker) reads them with one batched get per tier, checks every value
 A value that fails its checks is a miss, is deleted, and is counted.
 
 Threads: ``lookup`` and ``load`` touch only the tiers, the codec, and host slots pinned
-for them; they may run on any thread. ``on_host_evict`` and ``on_host_publish`` run
-under the cache's lock. Counters are updated under ``self._lock``.
+for them; they may run on any thread (loads run on the transfer engine's workers).
+Writes run on this manager's own workers, so a write stuck on a hung tier never delays
+a load. ``on_host_evict`` and ``on_host_publish`` run under the cache's lock. Counters
+are updated under ``self._lock``.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -55,7 +57,6 @@ from kvtier.tiers.base import SpillTier
 
 log = logging.getLogger(__name__)
 
-Submit = Callable[..., Future]
 HeldWrite = tuple[SpillTier, list, int]  # tier, (key, value, blocks) items, bytes
 
 
@@ -116,14 +117,16 @@ class SpillManager:
         tiers: Sequence[SpillTier],
         write_through: Sequence[str],
         host: HostPool,
-        submit: Submit,
+        write_workers: int,
         max_pending_bytes: int,
     ) -> None:
         self.tiers = list(tiers)
         self.host = host
         self.codec = ChunkCodec(host.layout)
         self._rows = byte_rows(host.slab)
-        self._submit = submit
+        # Writes get their own workers: a write stuck on a hung tier (up to its timeout)
+        # must never delay a prefetch, which runs on the transfer engine's workers.
+        self._writers = ThreadPoolExecutor(max(1, write_workers), thread_name_prefix="kvtier-spill")
         self._stats = {t.name: TierStats() for t in self.tiers}
         self._through = [t for t in self.tiers if t.name in write_through]
         back = [t for t in self.tiers if t.name not in write_through]
@@ -270,6 +273,7 @@ class SpillManager:
     def close(self) -> None:
         """Finish queued writes and close every tier."""
         self.flush()
+        self._writers.shutdown(wait=True)
         for tier in self.tiers:
             tier.close()
 
@@ -384,7 +388,7 @@ class SpillManager:
                 self._pending -= nbytes
 
     def _background(self, tier: SpillTier, fn: Callable, *args: object) -> None:
-        future = self._submit(fn, *args)
+        future = self._writers.submit(fn, *args)
         with self._lock:
             self._writes.add(future)
         future.add_done_callback(lambda f, t=tier: self._write_done(t, f))
