@@ -363,11 +363,6 @@ def test_loads_from_a_silent_server_are_misses_within_the_socket_timeout(silent_
         cache.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: prefetches share the I/O workers with spill writes, so a host hit waits "
-    "behind every write queued for a hung Redis (socket_timeout each)",
-)
 def test_a_host_hit_is_not_delayed_by_writes_queued_for_a_hung_redis(silent_server):
     cache = silent_cache(silent_server, gpu=64, host=512)
     try:
