@@ -1,9 +1,18 @@
 """Copy engine: batched block copies between block-major tensors, asynchronous where possible.
 
 Every pool stores blocks block-major (``[num_blocks, *block_shape]``), so a batch of
-blocks moves as a handful of calls: ids are split into runs that are consecutive on
-both sides (one ``copy_`` each) or consecutive on the destination only (one
-``index_select(out=)`` gather each, when both tensors are on one device).
+blocks moves as a handful of calls. The pairs are split into runs that are
+consecutive on both sides (one ``copy_`` each); when both tensors are on one device,
+a run may also be consecutive on the destination only (one ``index_select(out=)``
+gather) or on the source only (one ``index_copy_`` scatter), whichever grouping
+needs fewer calls. Blocks that fit no run are copied one ``copy_`` each.
+
+Scatters use a view of the rows as 16-byte elements (``complex128``, the widest
+dtype torch has; the bytes are moved, never interpreted): on CPU ``index_copy_``
+and ``index_put_`` cost per element, so in fp16 they run at under half the speed of
+a per-block ``copy_`` loop, while on 16-byte elements ``index_copy_`` is as fast as
+the ``index_select`` gather (``benchmarks/bench_transfer.py`` measures the options).
+Nothing is allocated per call beyond the small index tensors.
 
 Ownership of streams and threads:
 
@@ -11,7 +20,7 @@ Ownership of streams and threads:
   ``load_stream``. Each copy first waits on the caller's current stream, so it sees
   every write the engine queued before it; an event recorded after it marks
   completion. Whoever reuses the source or reads the destination orders itself after
-  the event (``Transfer.order_current_stream``) or blocks on it (``Transfer.wait``);
+  the event (``Transfer.order_current_stream``) or blocks on it (``Transfer.join``);
   nobody syncs the host on the engine's path. Host memory must be pinned for the
   copies to be truly asynchronous.
 - CPU: a copy runs inline on the calling thread. Work that must not block the engine
@@ -33,13 +42,40 @@ import numpy as np
 import torch
 
 T = TypeVar("T")
+_WIDE = torch.complex128  # 16-byte elements: the widest dtype torch has
 
 
-def _runs(ids: np.ndarray) -> list[tuple[int, int]]:
+def _id_list(ids: Sequence[int] | np.ndarray) -> list[int]:
+    return ids.tolist() if isinstance(ids, np.ndarray) else [int(i) for i in ids]
+
+
+def _sorted_by(key: list[int], other: list[int]) -> tuple[list[int], list[int]]:
+    """Both lists in ascending ``key`` order (stable)."""
+    if all(a <= b for a, b in zip(key, key[1:])):
+        return key, other
+    order = sorted(range(len(key)), key=key.__getitem__)
+    return [key[i] for i in order], [other[i] for i in order]
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int]]:
     """[start, end) index ranges of ``ids`` whose values are consecutive integers."""
-    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
-    bounds = [0, *breaks.tolist(), len(ids)]
+    bounds = [0, *(i for i in range(1, len(ids)) if ids[i] != ids[i - 1] + 1), len(ids)]
     return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _consecutive(ids: list[int]) -> bool:
+    return all(b == a + 1 for a, b in zip(ids, ids[1:]))
+
+
+def _wide_rows(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` as ``[len(t), k]`` 16-byte elements over the same bytes, or None when its
+    layout does not allow it (not contiguous, rows not a multiple of 16 B, unaligned)."""
+    if t.dim() == 0 or not len(t) or not t.is_contiguous():
+        return None
+    row = t[0].numel() * t.element_size()
+    if not row or row % 16 or t.data_ptr() % 16:
+        return None
+    return t.view(len(t), -1).view(torch.uint8).view(_WIDE)
 
 
 def copy_blocks(
@@ -49,27 +85,61 @@ def copy_blocks(
     dst_ids: Sequence[int] | np.ndarray,
     non_blocking: bool = False,
 ) -> None:
-    """``dst[dst_ids[i]] = src[src_ids[i]]`` for every i, in as few calls as the ids allow."""
-    s = np.asarray(src_ids, dtype=np.int64)
-    d = np.asarray(dst_ids, dtype=np.int64)
-    if len(s) != len(d):
-        raise ValueError(f"{len(s)} source blocks but {len(d)} destination blocks")
-    if not len(s):
+    """``dst[dst_ids[i]] = src[src_ids[i]]`` for every i, in as few calls as the ids allow.
+
+    Runs are found on the pairs sorted by destination (or, for scatters, by source),
+    so e.g. a chain stored in descending slots is one run. A destination given twice
+    ends up holding its last source. The ids are walked in plain Python: cheaper than
+    numpy's per-call cost at these sizes.
+    """
+    s = _id_list(src_ids)
+    d = _id_list(dst_ids)
+    n = len(d)
+    if len(s) != n:
+        raise ValueError(f"{len(s)} source blocks but {n} destination blocks")
+    if n == 1:
+        dst[d[0]].copy_(src[s[0]], non_blocking=non_blocking)
         return
-    same_device = src.device == dst.device
-    for a, b in _runs(d):
-        run = s[a:b]
-        d0, n = int(d[a]), b - a
-        if run[-1] - run[0] == n - 1 and (n == 1 or (np.diff(run) == 1).all()):
-            dst[d0 : d0 + n].copy_(src[int(run[0]) : int(run[0]) + n], non_blocking=non_blocking)
-        elif same_device:
-            index = torch.from_numpy(run).to(src.device, non_blocking=True)
-            torch.index_select(src, 0, index, out=dst[d0 : d0 + n])
-        else:  # across devices: one copy per source run inside this destination run
-            for sa, sb in _runs(run):
-                dd = d0 + sa
-                s0 = int(run[sa])
-                dst[dd : dd + sb - sa].copy_(src[s0 : s0 + sb - sa], non_blocking=non_blocking)
+    if not n:
+        return
+    d_sorted, s_by_d = _sorted_by(d, s)
+    if src.device != dst.device:  # runs consecutive on both sides only
+        bounds = [0]
+        bounds += [
+            i
+            for i in range(1, n)
+            if d_sorted[i] != d_sorted[i - 1] + 1 or s_by_d[i] != s_by_d[i - 1] + 1
+        ]
+        bounds.append(n)
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            d0, s0 = d_sorted[a], s_by_d[a]
+            dst[d0 : d0 + b - a].copy_(src[s0 : s0 + b - a], non_blocking=non_blocking)
+        return
+    d_runs = _runs(d_sorted)
+    if len(d_runs) > 1 and len(set(d)) == n:  # a scatter may take fewer calls
+        s_sorted, d_by_s = _sorted_by(s, d)
+        s_runs = _runs(s_sorted)
+        wide_src, wide_dst = _wide_rows(src), _wide_rows(dst)
+        if len(s_runs) < len(d_runs) and wide_src is not None and wide_dst is not None:
+            for a, b in s_runs:
+                s0, run = s_sorted[a], d_by_s[a:b]
+                if len(run) == 1 or _consecutive(run):
+                    d0 = run[0]
+                    dst[d0 : d0 + b - a].copy_(src[s0 : s0 + b - a], non_blocking=non_blocking)
+                else:
+                    index = torch.tensor(run, dtype=torch.int64).to(dst.device, non_blocking=True)
+                    wide_dst.index_copy_(0, index, wide_src[s0 : s0 + b - a])
+            return
+    for a, b in d_runs:
+        d0, run = d_sorted[a], s_by_d[a:b]
+        if len(run) == 1:
+            dst[d0].copy_(src[run[0]], non_blocking=non_blocking)
+        elif _consecutive(run):
+            s0 = run[0]
+            dst[d0 : d0 + b - a].copy_(src[s0 : s0 + b - a], non_blocking=non_blocking)
+        else:
+            index = torch.tensor(run, dtype=torch.int64).to(src.device, non_blocking=True)
+            torch.index_select(src, 0, index, out=dst[d0 : d0 + b - a])
 
 
 def _timed_copy(*args: object) -> float:
