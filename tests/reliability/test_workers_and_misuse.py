@@ -86,7 +86,7 @@ class FaultyTier(SpillTier):
         self.gate: threading.Event | None = None
 
     def _maybe_fail(self, op: str) -> None:
-        on_worker = threading.current_thread().name.startswith("kvtier-io")
+        on_worker = threading.current_thread().name.startswith(("kvtier-io", "kvtier-spill"))
         if self.fail[op] > 0 and (on_worker or not self.workers_only):
             self.fail[op] -= 1
             self.raised[op] += 1
