@@ -31,10 +31,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Hashable
-from concurrent.futures import Future
+from collections.abc import Callable, Hashable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from os import PathLike
 
 import torch
@@ -95,22 +95,69 @@ class PrefixHit:
 
 @dataclass
 class _Prefetch:
-    """Blocks ``[first, first + len(blocks))`` of a request being filled by an I/O worker
-    from pinned host slots: ``host_slots`` (host hits) then ``spill_slots`` (loaded from
-    ``runs``). ``future`` yields how many leading blocks were filled."""
+    """Blocks ``[first, first + len(blocks))`` of a request being filled from pinned host
+    slots: ``host_slots`` (host hits) then ``spill_slots`` (loaded from ``runs``).
+
+    ``work`` reads the spill runs (if any), copies up and returns how many leading blocks
+    it filled. It runs once: on an I/O worker, or on the engine's thread if that waits
+    before a worker took it (no thread hand-off then). A host-only hit into a CUDA pool
+    needs no work: ``transfer`` is the copy up itself, queued on the load stream.
+    """
 
     first: int
     blocks: list[int]
     host_slots: list[int]
     spill_slots: list[int]
     runs: tuple[SpillRun, ...]
-    future: Future[int] | None = None
+    work: Callable[[], int] | None = None
+    transfer: Transfer | None = None
+    claim: threading.Lock = field(default_factory=threading.Lock)
+    finished: threading.Event = field(default_factory=threading.Event)
+    valid: int = 0
+    error: BaseException | None = None
     load: LoadResult | None = None
     result: int | None = None  # tokens of valid KV once settled
     acknowledged: bool = False  # the engine has seen ``result`` through wait()
     held: list = field(default_factory=list)  # spill writes started after the reads
     nbytes: int = 0
     seconds: float = 0.0
+
+    def run(self) -> None:
+        """Do the work unless another thread has taken it."""
+        if not self.claim.acquire(blocking=False):
+            return
+        try:
+            self.valid = self.work()
+        except Exception as e:  # settled as a load failure, never raised
+            self.error = e
+        finally:
+            self.finished.set()
+
+    def cancel(self) -> bool:
+        """Take the work so that it never runs; False once it has started."""
+        if self.work is None or not self.claim.acquire(blocking=False):
+            return False
+        self.finished.set()
+        return True
+
+    def done(self) -> bool:
+        return self.finished.is_set() if self.work is not None else self.transfer.done()
+
+    def join(self) -> None:
+        """Run the work here if no worker has started it, then wait until it is over."""
+        if self.work is not None:
+            self.run()
+            self.finished.wait()
+        else:
+            self.transfer.join()
+
+    def outcome(self) -> tuple[int, BaseException | None]:
+        """(leading blocks filled, the failure if any) of finished work."""
+        if self.work is not None:
+            return (0, self.error) if self.error is not None else (self.valid, None)
+        t = self.transfer
+        self.nbytes, self.seconds = t.nbytes, t.seconds
+        return (0, t.error) if t.error is not None else (len(self.host_slots), None)
 
 
 @dataclass
@@ -314,7 +361,7 @@ class TieredCache:
             if p is None:
                 return self.manager.request(req_id).num_published * self.block_size
         if p.result is None:
-            p.future.exception()  # blocks; a failure is settled below
+            p.join()  # a failure is settled below
         with self._lock:
             self._poll()
             if self._prefetches.get(req_id) is not p:
@@ -348,11 +395,11 @@ class TieredCache:
         with self._lock:
             p = self._prefetches.pop(req_id, None)
             if p is not None and p.result is None:
-                if p.future.cancel():
+                if p.cancel():
                     if p.held:  # the worker never ran: its held writes start here
                         self.spill.start_writes(p.held)
                 else:
-                    p.future.exception()  # a started load is short: let it finish
+                    p.join()  # a started load is short: let it finish
                 if p.load is not None:
                     self.spill.settle_load(p.load)  # count and delete what it found bad
                 self.host.free(p.host_slots + p.spill_slots)
@@ -417,12 +464,17 @@ class TieredCache:
             n = min(hit.spill_blocks, self.host.num_free)
             spill_slots = self.host.allocate(n)
             runs = _truncate(runs, n)
-        if not runs:
-            held = []  # nothing to read below the host: the writes may start at once
         p = _Prefetch(first, blocks, list(hit.host_slots), spill_slots, runs)
-        p.held = list(held)
-        held.clear()
-        p.future = self.transfer.submit(self._run_prefetch, p, self.transfer.mark())
+        if runs:  # the held writes wait for the tier reads; without reads they start now
+            p.held = list(held)
+            held.clear()
+        if runs or not self.gpu.kv.is_cuda:  # tier reads, or a CPU copy: on a worker
+            p.work = partial(self._run_prefetch, p, self.transfer.mark())
+            self.transfer.submit(p.run)
+        else:  # host hits to a CUDA pool: the copy is asynchronous by itself
+            p.transfer = self.transfer.copy(
+                self.host.slab, p.host_slots, self.gpu.kv, blocks[: len(p.host_slots)]
+            )
         self._prefetches[req_id] = p
 
     def _run_prefetch(self, p: _Prefetch, after: torch.cuda.Event | None) -> int:
@@ -445,8 +497,7 @@ class TieredCache:
 
     def _settle(self, req_id: Hashable, p: _Prefetch) -> None:
         """Finish a prefetch whose worker is done: publish what loaded, unpin, count."""
-        error = p.future.exception()
-        valid = 0 if error is not None else p.future.result()
+        valid, error = p.outcome()
         if error is not None:
             log.warning("kvtier: prefetch of request %r failed: %s", req_id, error)
             self._stats["cpu"].errors += 1
@@ -474,7 +525,7 @@ class TieredCache:
     def _poll(self) -> None:
         """Observe finished work: settle prefetches, publish and unpin offloads."""
         for req_id, p in self._prefetches.items():
-            if p.result is None and p.future.done():
+            if p.result is None and p.done():
                 self._settle(req_id, p)
         if self._offloads:
             pending = []

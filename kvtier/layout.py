@@ -8,6 +8,7 @@ fingerprint is part of every namespace root and every spill-tier value header.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import xxhash
@@ -64,7 +65,7 @@ class KVLayout:
         """Shape of one block: (layers, kv_factor, block_size, kv_heads, head_dim)."""
         return (self.num_layers, self.kv_factor, self.block_size, self.num_kv_heads, self.head_dim)
 
-    @property
+    @cached_property
     def block_numel(self) -> int:
         """Number of elements in one block."""
         n = 1
@@ -72,16 +73,16 @@ class KVLayout:
             n *= dim
         return n
 
-    @property
+    @cached_property
     def itemsize(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
 
-    @property
+    @cached_property
     def block_nbytes(self) -> int:
         """Bytes of one block of KV across all layers."""
         return self.block_numel * self.itemsize
 
-    @property
+    @cached_property
     def fingerprint(self) -> bytes:
         """16 bytes that are equal exactly when two layouts are equal, in any process."""
         text = "kvtier-layout-v1:" + ":".join(
