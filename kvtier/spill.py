@@ -378,11 +378,19 @@ class SpillManager:
         try:
             present = tier.contains_many([key for key, _, _ in items])
             todo = [item for item, p in zip(items, present) if not p]
-            if todo and tier.put_many([(key, value) for key, value, _ in todo]):
+            if not todo:
+                return
+            stored = tier.put_many([(key, value) for key, value, _ in todo])
+            if stored < len(todo):  # the tier skipped some (too large for it): which?
+                landed = tier.contains_many([key for key, _, _ in todo])
+                skipped = [item for item, ok in zip(todo, landed) if not ok]
+                todo = [item for item, ok in zip(todo, landed) if ok]
                 with self._lock:
-                    self._stats[tier.name].count_in(
-                        sum(n for _, _, n in todo), sum(len(v) for _, v, _ in todo)
-                    )
+                    self._stats[tier.name].dropped += sum(n for _, _, n in skipped)
+            with self._lock:
+                self._stats[tier.name].count_in(
+                    sum(n for _, _, n in todo), sum(len(v) for _, v, _ in todo)
+                )
         finally:
             with self._lock:
                 self._pending -= nbytes

@@ -136,10 +136,6 @@ def test_a_full_lmdb_store_evicts_old_chunks_and_keeps_serving_exact_kv(tmp_path
         cache.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a chunk the disk tier skips (larger than its capacity) is not counted as dropped",
-)
 def test_a_chunk_larger_than_the_whole_disk_tier_is_counted_as_dropped(tmp_path) -> None:
     disk = LMDBTier(tmp_path / "lmdb", chunk_value_nbytes(1) - 1, chunk_blocks=C)
     cache = TieredCache(parse_config(make_config(tmp_path / "lmdb")), tiers=[disk])
