@@ -6,6 +6,8 @@ A missing server skips the ``real``/``cluster`` cases, or fails them when
 
 from __future__ import annotations
 
+import socket
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -67,3 +69,33 @@ def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
     b = make_backend(request.param, request)
     yield b
     b.finish()
+
+
+@pytest.fixture
+def silent_server() -> Iterator[int]:
+    """A loopback port that accepts connections and never answers; yields the port."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind((LOCAL_HOST, 0))
+    listener.listen(64)
+    listener.settimeout(0.05)
+    stop = threading.Event()
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:  # the accept timeout, or the listener closed
+                continue
+            held.append(conn)  # read nothing, answer nothing
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join(timeout=2)
+        for conn in held:
+            conn.close()
+        listener.close()

@@ -8,7 +8,6 @@ uses its own key prefix and deletes what it wrote.
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from array import array
@@ -267,34 +266,6 @@ def test_a_dead_server_fails_fast() -> None:
             assert isinstance(error.__cause__, redis.ConnectionError)
     finally:
         tier.close()
-
-
-@pytest.fixture
-def silent_server() -> Iterator[int]:
-    """A port that accepts connections and never answers; yields the port."""
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind((LOCAL_HOST, 0))
-    listener.listen(64)
-    listener.settimeout(0.05)
-    stop = threading.Event()
-    held: list[socket.socket] = []
-
-    def accept() -> None:
-        while not stop.is_set():
-            try:
-                conn, _ = listener.accept()
-            except (TimeoutError, OSError):
-                continue
-            held.append(conn)  # read nothing, answer nothing
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    yield listener.getsockname()[1]
-    stop.set()
-    thread.join(timeout=2)
-    for conn in held:
-        conn.close()
-    listener.close()
 
 
 def test_a_server_that_never_answers_fails_within_the_socket_timeout(silent_server: int) -> None:

@@ -13,10 +13,8 @@ import os
 import random
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -289,36 +287,6 @@ def test_chunks_whose_write_failed_during_an_outage_reach_redis_once_it_is_back(
 
 
 # --- a server that accepts connections and never answers ------------------------------
-
-
-@pytest.fixture
-def silent_server() -> Iterator[int]:
-    """A loopback port that accepts connections and never answers; yields the port."""
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind((LOCAL_HOST, 0))
-    listener.listen(64)
-    listener.settimeout(0.05)
-    stop = threading.Event()
-    held: list[socket.socket] = []
-
-    def accept() -> None:
-        while not stop.is_set():
-            try:
-                conn, _ = listener.accept()
-            except OSError:  # the accept timeout, or the listener closed
-                continue
-            held.append(conn)  # read nothing, answer nothing
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    try:
-        yield listener.getsockname()[1]
-    finally:
-        stop.set()
-        thread.join(timeout=2)
-        for conn in held:
-            conn.close()
-        listener.close()
 
 
 def silent_cache(port: int, gpu: int = 16, host: int = 16) -> TieredCache:
