@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import subprocess
 import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import lmdb
 import pytest
+from fs_faults import make_read_only
 from tier_contract import TierContract, make_key, make_value, read_all
 
 from kvtier.config import DiskTierConfig
@@ -333,28 +333,10 @@ def test_two_processes_share_one_store(open_tier, tmp_path: Path) -> None:
 # --- errors --------------------------------------------------------------------------
 
 
-def _make_read_only(directory: Path) -> Callable[[], None] | None:
-    """Make ``directory`` unwritable; returns the undo, or None where that cannot work.
-
-    As root, mode bits are not enforced; the immutable attribute (``chattr +i``) is.
-    """
-    directory.chmod(0o500)
-    try:
-        (directory / "probe").touch()
-    except PermissionError:
-        return lambda: directory.chmod(0o700)
-    (directory / "probe").unlink()
-    directory.chmod(0o700)
-    chattr = shutil.which("chattr")
-    if not chattr or subprocess.run([chattr, "+i", str(directory)], capture_output=True).returncode:
-        return None
-    return lambda: subprocess.run([chattr, "-i", str(directory)], check=True)
-
-
 def test_read_only_directory_raises_tier_error(tmp_path: Path) -> None:
     ro = tmp_path / "ro"
     ro.mkdir()
-    undo = _make_read_only(ro)
+    undo = make_read_only(ro)
     if undo is None:
         pytest.skip("cannot make a directory read-only here (root without chattr +i)")
     try:

@@ -11,18 +11,18 @@ import json
 import logging
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from fs_faults import make_read_only
 
 from kvtier.cache import TieredCache
 from kvtier.chunk import ChunkCodec, byte_rows
@@ -192,24 +192,6 @@ def test_a_cold_disk_hit_survives_the_spill_writes_of_its_own_allocation(tmp_pat
 # --- a disk directory that cannot be used -------------------------------------------------
 
 
-def _make_immutable(directory: Path) -> Callable[[], None] | None:
-    """Make ``directory`` unwritable; the undo, or None where that cannot work here.
-
-    Mode bits do not stop root; the immutable attribute (``chattr +i``) does.
-    """
-    directory.chmod(0o500)
-    try:
-        (directory / "probe").touch()
-    except PermissionError:
-        return lambda: directory.chmod(0o700)
-    (directory / "probe").unlink()
-    directory.chmod(0o700)
-    chattr = shutil.which("chattr")
-    if not chattr or subprocess.run([chattr, "+i", str(directory)], capture_output=True).returncode:
-        return None
-    return lambda: subprocess.run([chattr, "-i", str(directory)], check=True)
-
-
 UNUSABLE = ["read_only", "missing_and_uncreatable", "under_a_regular_file"]
 
 
@@ -223,7 +205,7 @@ def unusable_path(request, tmp_path: Path) -> Iterator[Path]:
     else:
         locked = tmp_path / "locked"
         locked.mkdir()
-        undo = _make_immutable(locked)
+        undo = make_read_only(locked)
         if undo is None:
             pytest.skip("cannot make a directory read-only here (root without chattr +i)")
         path = locked if request.param == "read_only" else locked / "missing" / "lmdb"

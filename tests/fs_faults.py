@@ -1,0 +1,26 @@
+"""File-system faults for tests: directories that even root cannot write into."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+
+def make_read_only(directory: Path) -> Callable[[], None] | None:
+    """Make ``directory`` unwritable; returns the undo, or None where that cannot work.
+
+    As root, mode bits are not enforced; the immutable attribute (``chattr +i``) is.
+    """
+    directory.chmod(0o500)
+    try:
+        (directory / "probe").touch()
+    except PermissionError:
+        return lambda: directory.chmod(0o700)
+    (directory / "probe").unlink()
+    directory.chmod(0o700)
+    chattr = shutil.which("chattr")
+    if not chattr or subprocess.run([chattr, "+i", str(directory)], capture_output=True).returncode:
+        return None
+    return lambda: subprocess.run([chattr, "-i", str(directory)], check=True)
