@@ -8,6 +8,7 @@ The demo uses it where no model is involved, and the tests use it everywhere.
 
 from __future__ import annotations
 
+import time
 import zlib
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 
 from kvtier.cache import PrefixHit, TieredCache
+from kvtier.hashing import ExtraKeys
 
 
 class PoolExhausted(RuntimeError):
@@ -37,25 +39,42 @@ def expected_block(cache: TieredCache, tokens: list[int], index: int) -> torch.T
 
 @dataclass
 class Served:
-    """What serving one request found: the hit, the tokens that loaded, its block table."""
+    """What serving one request found: the hit, the tokens that loaded, its block table,
+    and the seconds from ``allocate`` until ``wait`` returned (the engine's wait)."""
 
     hit: PrefixHit
     valid_tokens: int
     table: list[int]
+    seconds: float
 
 
-def serve(cache: TieredCache, req_id: str, tokens: list[int], free: bool = True) -> Served:
-    """lookup, allocate, wait, check the loaded KV, write the rest, commit, free.
+def serve(
+    cache: TieredCache,
+    req_id: str,
+    tokens: list[int],
+    free: bool = True,
+    extra: ExtraKeys | None = None,
+) -> Served:
+    """lookup, then ``complete``: the whole request, every loaded block checked."""
+    return complete(cache, req_id, tokens, cache.lookup(req_id, tokens, extra), free)
+
+
+def complete(
+    cache: TieredCache, req_id: str, tokens: list[int], hit: PrefixHit, free: bool = True
+) -> Served:
+    """The rest of a request looked up earlier: allocate, wait, check the loaded KV,
+    write the rest, commit, free.
 
     Raises ``KVMismatch`` if a block the cache supplied differs from the recomputed
     KV, and ``PoolExhausted`` if the GPU pool cannot hold the request.
     """
-    hit = cache.lookup(req_id, tokens)
+    start = time.monotonic()
     table = cache.allocate(req_id, len(tokens) - hit.num_tokens, hit)
     if table is None:
         cache.free(req_id)
         raise PoolExhausted(f"{req_id}: the GPU pool cannot hold {len(tokens)} tokens now")
     valid = cache.wait(req_id)
+    seconds = time.monotonic() - start
     bs = cache.block_size
     for i in range(valid // bs):
         if not torch.equal(cache.kv[table[i]].cpu(), expected_block(cache, tokens, i)):
@@ -66,4 +85,4 @@ def serve(cache: TieredCache, req_id: str, tokens: list[int], free: bool = True)
     cache.commit(req_id, tokens)
     if free:
         cache.free(req_id)
-    return Served(hit, valid, table)
+    return Served(hit, valid, table, seconds)

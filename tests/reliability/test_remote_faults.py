@@ -23,7 +23,6 @@ from typing import Any
 
 import pytest
 import redis
-import torch
 from redis_servers import (
     LOCAL_HOST,
     LocalCluster,
@@ -37,7 +36,7 @@ from redis_servers import (
 from kvtier.cache import PrefixHit, TieredCache
 from kvtier.config import parse_config
 from kvtier.spill import ChunkRef, SpillRun
-from kvtier.synthetic import Served, expected_block, serve
+from kvtier.synthetic import Served, complete, serve
 from kvtier.tiers.redis import RedisTier
 
 BLOCK_SIZE = 4
@@ -122,21 +121,9 @@ def timed_serve(cache: TieredCache, req_id: str, tokens: list[int]) -> tuple[Ser
 
 
 def finish(cache: TieredCache, req_id: str, tokens: list[int], hit: PrefixHit) -> tuple[int, float]:
-    """The rest of ``serve`` for a hit looked up earlier: allocate, wait (timed), check
-    the loaded KV bit for bit, write the rest, commit, free. Returns (valid, seconds)."""
-    start = time.monotonic()
-    table = cache.allocate(req_id, len(tokens) - hit.num_tokens, hit)
-    assert table is not None
-    valid = cache.wait(req_id)
-    elapsed = time.monotonic() - start
-    for i in range(valid // BLOCK_SIZE):
-        assert torch.equal(cache.kv[table[i]].cpu(), expected_block(cache, tokens, i)), i
-    for i in range(valid // BLOCK_SIZE, len(table)):
-        if (i + 1) * BLOCK_SIZE <= len(tokens):
-            cache.kv[table[i]] = expected_block(cache, tokens, i)
-    cache.commit(req_id, tokens)
-    cache.free(req_id)
-    return valid, elapsed
+    """``complete`` a hit looked up earlier; returns (valid tokens, allocate-to-wait seconds)."""
+    served = complete(cache, req_id, tokens, hit)
+    return served.valid_tokens, served.seconds
 
 
 def kill(server: RedisServer) -> None:

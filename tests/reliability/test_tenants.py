@@ -22,13 +22,12 @@ from typing import Any
 
 import fakeredis
 import pytest
-import torch
 from redis_servers import LOCAL_URL, RedisServer, delete_prefix, unique_prefix
 
 from kvtier.cache import PrefixHit, TieredCache
 from kvtier.config import parse_config
 from kvtier.hashing import BlockHasher, ExtraKeys, MultiModalInput, namespace_root
-from kvtier.synthetic import expected_block, serve
+from kvtier.synthetic import serve
 from kvtier.tiers.base import SpillTier
 from kvtier.tiers.lmdb import LMDBTier
 from kvtier.tiers.redis import RedisTier
@@ -101,19 +100,9 @@ def probe(cache: TieredCache, tokens: list[int], extra: ExtraKeys | None = None)
 def serve_with(
     cache: TieredCache, req_id: str, tokens: list[int], extra: ExtraKeys | None
 ) -> tuple[PrefixHit, int]:
-    """``serve`` with extra keys: checks every loaded block bit for bit. (hit, valid)."""
-    hit = cache.lookup(req_id, tokens, extra)
-    table = cache.allocate(req_id, len(tokens) - hit.num_tokens, hit)
-    assert table is not None
-    valid = cache.wait(req_id)
-    for i in range(valid // BLOCK_SIZE):
-        assert torch.equal(cache.kv[table[i]].cpu(), expected_block(cache, tokens, i)), i
-    for i in range(valid // BLOCK_SIZE, len(table)):
-        if (i + 1) * BLOCK_SIZE <= len(tokens):
-            cache.kv[table[i]] = expected_block(cache, tokens, i)
-    cache.commit(req_id, tokens)
-    cache.free(req_id)
-    return hit, valid
+    """``serve`` with extra keys (every loaded block checked); returns (hit, valid)."""
+    served = serve(cache, req_id, tokens, extra=extra)
+    return served.hit, served.valid_tokens
 
 
 def hashes_under(cache: TieredCache, salt: str, tokens: list[int]) -> list[bytes]:
