@@ -273,6 +273,7 @@ class TieredCache:
         layout: KVLayout | None = None,
         device: torch.device | str | None = None,
     ) -> TieredCache:
+        """A cache built from a YAML config (``ConfigError`` names any bad key)."""
         return cls(load_config(path), layout, device)
 
     @property
@@ -408,6 +409,7 @@ class TieredCache:
             return freed
 
     def block_ids(self, req_id: Hashable) -> list[int]:
+        """The request's block table, in token order (a copy)."""
         with self._lock:
             return list(self.manager.block_ids(req_id))
 
