@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import replace
 
+import numpy as np
+
 from kvtier.cache import TieredCache
 from kvtier.config import ConfigError, KVTierConfig, default_config, load_config
 from kvtier.progress import progress
+from kvtier.replay import read_trace, replay
 from kvtier.synthetic import serve
 from kvtier.workloads import multi_turn_chat
 
@@ -75,6 +79,53 @@ def _run_demo(cache: TieredCache, args: argparse.Namespace) -> int:
     return 0
 
 
+def replay_trace(args: argparse.Namespace) -> int:
+    """Replay a request trace through the configured tiers; print hit rates and latencies."""
+    config = load_config(args.config)
+    requests = read_trace(args.trace, args.limit)
+    with tempfile.TemporaryDirectory(prefix="kvtier-replay-") as scratch:
+        if not args.keep_cache:
+            config = _with_disk_at(config, f"{scratch}/lmdb")
+        with TieredCache(config, device=args.device) as cache:
+            result = replay(cache, requests, lambda r: progress(r, desc="replaying"))
+            stats = cache.stats()
+    bs = config.layout.block_size if config.layout else 0
+    print(
+        f"replayed {result.requests} requests ({result.skipped} skipped: GPU pool full), "
+        f"{result.prompt_blocks} prompt blocks of {bs} tokens"
+    )
+    print(f"{'tier':>6} {'hit blocks':>11} {'hit rate':>9} {'MiB in':>9} {'MiB out':>9}")
+    for tier, s in stats.tiers.items():
+        n = result.hit_blocks.get(tier, 0)
+        print(
+            f"{tier:>6} {n:>11} {n / max(result.prompt_blocks, 1):>9.1%} "
+            f"{s.bytes_in / 2**20:>9.1f} {s.bytes_out / 2**20:>9.1f}"
+        )
+    print(
+        f" total {sum(result.hit_blocks.values()):>11} {result.hit_rate:>9.1%}   "
+        f"ceiling (unbounded cache) {result.ceiling:.1%}"
+    )
+    for name, values in (("lookup", result.lookup_seconds), ("prefetch", result.prefetch_seconds)):
+        if values:
+            p50, p90, p99 = (np.percentile(values, q) * 1e3 for q in (50, 90, 99))
+            print(f"{name} latency ms: p50 {p50:.2f}  p90 {p90:.2f}  p99 {p99:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "requests": result.requests,
+                    "skipped": result.skipped,
+                    "prompt_blocks": result.prompt_blocks,
+                    "hit_blocks": result.hit_blocks,
+                    "hit_rate": result.hit_rate,
+                    "ceiling": result.ceiling,
+                    "hit_rate_over_time": result.hit_rate_over_time,
+                },
+                f,
+            )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -89,6 +140,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="use the configured disk path instead of a fresh scratch directory",
     )
     p.set_defaults(func=demo)
+    r = sub.add_parser("replay", help="replay a request trace (Mooncake JSONL format)")
+    r.add_argument("trace", help="JSONL trace: timestamp, input_length, hash_ids per line")
+    r.add_argument("--config", default="configs/replay.yaml", help="YAML config")
+    r.add_argument("--limit", type=int, help="replay only the first N requests")
+    r.add_argument("--json", help="write the result as JSON here")
+    r.add_argument("--device", help="torch device of the GPU tier (default: from the config)")
+    r.add_argument("--keep-cache", action="store_true", help="use the configured disk path")
+    r.set_defaults(func=replay_trace)
     return parser
 
 

@@ -1,0 +1,173 @@
+"""Replaying a published request trace through a real ``TieredCache``.
+
+A trace line names a request's prompt by the chained ids of its 512-token blocks
+(Mooncake's format: ``timestamp``, ``input_length``, ``output_length``, ``hash_ids``;
+equal ids at position i mean equal prefixes up to and including block i). Each id
+maps to a fixed pseudo-random run of 512 tokens (seeded by the id), so a prompt is
+real token ids that kvtier hashes itself, and bytes really move through every tier
+(the KV written is not a model's: this measures the cache, not a model).
+
+The *ceiling* is the block hit rate of an unbounded cache under kvtier's rules: a
+request can hit the full blocks an earlier request committed, never the block that
+holds its own last token.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from kvtier.cache import TieredCache
+
+TRACE_BLOCK = 512  # tokens per trace block
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """One line of a trace."""
+
+    timestamp_ms: int
+    input_length: int
+    hash_ids: tuple[int, ...]
+
+
+def read_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
+    """The first ``limit`` requests of a JSONL trace; ValueError naming the bad line."""
+    out: list[TraceRequest] = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if limit is not None and len(out) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+                req = TraceRequest(
+                    int(obj["timestamp"]), int(obj["input_length"]), tuple(obj["hash_ids"])
+                )
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{lineno}: not a trace request ({e})") from None
+            if req.input_length > len(req.hash_ids) * TRACE_BLOCK or req.input_length <= 0:
+                raise ValueError(
+                    f"{path}:{lineno}: input_length {req.input_length} does not fit "
+                    f"{len(req.hash_ids)} blocks of {TRACE_BLOCK} tokens"
+                )
+            out.append(req)
+    return out
+
+
+class TraceTokens:
+    """Deterministic tokens for trace block ids (memoised: ids repeat a lot)."""
+
+    def __init__(self, vocab_size: int = 32000) -> None:
+        self.vocab_size = vocab_size
+        self._runs: dict[int, np.ndarray] = {}
+
+    def block(self, hash_id: int) -> np.ndarray:
+        run = self._runs.get(hash_id)
+        if run is None:
+            rng = np.random.default_rng(hash_id)
+            run = self._runs[hash_id] = rng.integers(
+                0, self.vocab_size, TRACE_BLOCK, dtype=np.uint32
+            )
+        return run
+
+    def prompt(self, req: TraceRequest) -> np.ndarray:
+        return np.concatenate([self.block(h) for h in req.hash_ids])[: req.input_length]
+
+
+def ceiling_hits(requests: Iterable[TraceRequest], block_size: int) -> list[int]:
+    """Per request, the cache blocks an unbounded cache would hit (kvtier's rules)."""
+    if TRACE_BLOCK % block_size:
+        raise ValueError(f"block_size {block_size} must divide {TRACE_BLOCK}")
+    per_trace_block = TRACE_BLOCK // block_size
+    committed: dict[int, int] = {}  # trace block id -> full cache blocks ever committed
+    out = []
+    for req in requests:
+        cap = (req.input_length - 1) // block_size
+        hit = 0
+        for h in req.hash_ids:
+            have = committed.get(h, 0)
+            hit += have
+            if have < per_trace_block:
+                break
+        out.append(min(hit, cap))
+        full = req.input_length // block_size
+        for t, h in enumerate(req.hash_ids):
+            n = min(per_trace_block, full - t * per_trace_block)
+            if n <= 0:
+                break
+            committed[h] = max(committed.get(h, 0), n)
+    return out
+
+
+@dataclass
+class ReplayResult:
+    """What a replay measured; block counts are cache blocks."""
+
+    requests: int = 0
+    prompt_blocks: int = 0
+    hit_blocks: dict[str, int] = field(default_factory=dict)  # per tier
+    ceiling_blocks: int = 0
+    skipped: int = 0  # requests the GPU pool could not hold
+    lookup_seconds: list[float] = field(default_factory=list)
+    prefetch_seconds: list[float] = field(default_factory=list)
+    hit_rate_over_time: list[tuple[int, float]] = field(default_factory=list)  # (ms, rate)
+
+    @property
+    def hit_rate(self) -> float:
+        return sum(self.hit_blocks.values()) / max(self.prompt_blocks, 1)
+
+    @property
+    def ceiling(self) -> float:
+        return self.ceiling_blocks / max(self.prompt_blocks, 1)
+
+
+def replay(
+    cache: TieredCache,
+    requests: list[TraceRequest],
+    progress_bar: Callable[[list[TraceRequest]], Iterable[TraceRequest]] | None = None,
+) -> ReplayResult:
+    """Serve every request in order (lookup, allocate, wait, commit, free).
+
+    A request the GPU pool cannot hold is skipped and counted (and left out of the
+    hit rate and of the ceiling).
+    """
+    bs = cache.block_size
+    tokens = TraceTokens()
+    ceiling = ceiling_hits(requests, bs)
+    result = ReplayResult()
+    items = progress_bar(requests) if progress_bar else requests
+    for i, req in enumerate(items):
+        prompt = tokens.prompt(req)
+        rid = f"r{i}"
+        t0 = time.perf_counter()
+        hit = cache.lookup(rid, prompt)
+        t1 = time.perf_counter()
+        table = cache.allocate(rid, len(prompt) - hit.num_tokens, hit)
+        if table is None:
+            cache.free(rid)
+            result.skipped += 1
+            continue
+        valid = cache.wait(rid)
+        t2 = time.perf_counter()
+        result.lookup_seconds.append(t1 - t0)
+        if hit.num_blocks > len(hit.gpu_blocks):
+            result.prefetch_seconds.append(t2 - t1)
+        cache.commit(rid, prompt)
+        cache.free(rid)
+        result.requests += 1
+        result.prompt_blocks += req.input_length // bs
+        result.ceiling_blocks += ceiling[i]
+        loaded = valid // bs
+        for tier, n in hit.tokens_per_tier().items():  # in hierarchy order
+            take = min(n // bs, loaded)
+            result.hit_blocks[tier] = result.hit_blocks.get(tier, 0) + take
+            loaded -= take
+        result.hit_rate_over_time.append((req.timestamp_ms, result.hit_rate))
+    return result
