@@ -95,7 +95,7 @@ from kvtier.layout import KVLayout
 from kvtier.progress import progress
 from kvtier.spill import ChunkRef, SpillManager, SpillRun
 from kvtier.tiers.base import SpillTier
-from kvtier.tiers.lmdb import LMDBTier
+from kvtier.tiers.lmdb import ENV_OPTIONS, LMDBTier
 from kvtier.tiers.redis import RedisTier
 
 BENCHMARK = "bench_tiers"
@@ -217,18 +217,7 @@ class Bench:
     def open_lmdb(self, c: int) -> tuple[LMDBTier, lmdb.Environment, Any]:
         tier = LMDBTier(self.tmp / f"tier-{c}", LMDB_CAPACITY, c, map_size=LMDB_MAP_SIZE)
         self.lmdb_tiers.append(tier)
-        env = lmdb.open(
-            str(self.tmp / f"raw-{c}"),
-            map_size=LMDB_MAP_SIZE,
-            subdir=True,
-            lock=True,
-            writemap=False,
-            metasync=False,
-            sync=False,
-            readahead=False,
-            max_dbs=8,
-            max_spare_txns=8,
-        )
+        env = lmdb.open(str(self.tmp / f"raw-{c}"), map_size=LMDB_MAP_SIZE, **ENV_OPTIONS)
         self.raw_envs.append(env)
         return tier, env, env.open_db(b"data")
 

@@ -6,7 +6,8 @@ import argparse
 import json
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 
 import numpy as np
@@ -26,22 +27,24 @@ def _load(path: str | None) -> KVTierConfig:
     return config
 
 
-def _with_disk_at(config: KVTierConfig, path: str) -> KVTierConfig:
-    """``config`` with its disk tier (if any) moved to ``path``."""
-    disk = config.tiers.disk
-    if disk is None:
-        return config
-    return replace(config, tiers=replace(config.tiers, disk=replace(disk, path=path)))
+@contextmanager
+def _open_cache(config: KVTierConfig, args: argparse.Namespace) -> Iterator[TieredCache]:
+    """A cache for one CLI run: its disk tier (if any) in a fresh scratch directory,
+    so every run starts cold, unless ``--keep-cache``."""
+    with tempfile.TemporaryDirectory(prefix="kvtier-") as scratch:
+        disk = config.tiers.disk
+        if disk is not None and not args.keep_cache:
+            disk = replace(disk, path=f"{scratch}/lmdb")
+            config = replace(config, tiers=replace(config.tiers, disk=disk))
+        with TieredCache(config, device=args.device) as cache:
+            yield cache
 
 
 def demo(args: argparse.Namespace) -> int:
     """Serve a synthetic multi-turn chat through every configured tier; print hits per tier."""
     config = _load(args.config)
-    with tempfile.TemporaryDirectory(prefix="kvtier-demo-") as scratch:
-        if not args.keep_cache:  # a fresh disk tier, so every run shows the same thing
-            config = _with_disk_at(config, f"{scratch}/lmdb")
-        with TieredCache(config, device=args.device) as cache:
-            return _run_demo(cache, args)
+    with _open_cache(config, args) as cache:
+        return _run_demo(cache, args)
 
 
 def _run_demo(cache: TieredCache, args: argparse.Namespace) -> int:
@@ -83,12 +86,9 @@ def replay_trace(args: argparse.Namespace) -> int:
     """Replay a request trace through the configured tiers; print hit rates and latencies."""
     config = load_config(args.config)
     requests = read_trace(args.trace, args.limit)
-    with tempfile.TemporaryDirectory(prefix="kvtier-replay-") as scratch:
-        if not args.keep_cache:
-            config = _with_disk_at(config, f"{scratch}/lmdb")
-        with TieredCache(config, device=args.device) as cache:
-            result = replay(cache, requests, lambda r: progress(r, desc="replaying"))
-            stats = cache.stats()
+    with _open_cache(config, args) as cache:
+        result = replay(cache, requests, lambda r: progress(r, desc="replaying"))
+        stats = cache.stats()
     bs = config.layout.block_size if config.layout else 0
     print(
         f"replayed {result.requests} requests ({result.skipped} skipped: GPU pool full), "

@@ -99,6 +99,20 @@ INITIAL_MAP_CAP = 64 * MiB  # the map starts at most this big ...
 MAP_SLACK = 64 * MiB  # ... and grows to at most capacity * MAP_GROWTH_LIMIT + MAP_SLACK
 MAP_GROWTH_LIMIT = 1.5
 MAX_READERS = 512  # reader slots for all processes together (one per open read txn)
+# How every store is opened (see "Durability" and "Threads and processes" above); the
+# benchmarks open their raw-lmdb ceiling with the same options.
+ENV_OPTIONS: dict[str, object] = {
+    "subdir": True,
+    "readonly": False,
+    "lock": True,
+    "writemap": False,
+    "metasync": False,
+    "sync": False,
+    "readahead": False,
+    "max_dbs": 8,
+    "max_readers": MAX_READERS,
+    "max_spare_txns": 8,
+}
 MAX_RESIZE_RETRIES = 64  # map resizes one call may go through before it gives up
 KEYS_PAGE = 1024  # keys() reads this many keys per read transaction
 
@@ -206,20 +220,7 @@ class LMDBTier(SpillTier):
                 )
             _open_stores.add(self._store_id)
         try:
-            self._env = lmdb.open(
-                str(self.path),
-                map_size=initial,
-                subdir=True,
-                readonly=False,
-                lock=True,
-                writemap=False,
-                metasync=False,
-                sync=False,
-                readahead=False,
-                max_dbs=8,
-                max_readers=MAX_READERS,
-                max_spare_txns=8,
-            )
+            self._env = lmdb.open(str(self.path), map_size=initial, **ENV_OPTIONS)
             self._env.reader_check()  # free reader slots of processes that died
             self._init_schema()
         except BaseException as e:
