@@ -5,6 +5,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
+# What the demo and the suite need besides kvtier itself.
+EXTRAS ?= dev,hf,plot,metrics
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
@@ -15,7 +17,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH)"
-	$(PIP) install -e ".[dev]"
+	$(PIP) install -e ".[$(EXTRAS)]"
 	touch $@
 
 demo: setup
