@@ -1,0 +1,1 @@
+"""Engine adapters: transformers (``hf``) and vLLM (``vllm``); each needs its optional extra."""
