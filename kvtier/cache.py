@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Hashable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -47,8 +48,9 @@ from kvtier.hashing import BlockHasher, ExtraKeys, TokenIds, namespace_root
 from kvtier.host_pool import HostPool
 from kvtier.layout import KVLayout
 from kvtier.metrics import CacheStats, TierStats
+from kvtier.prometheus import MetricsServer, serve_metrics
 from kvtier.spill import LoadResult, SpillManager, SpillRun
-from kvtier.tiers.base import SpillTier, TierError
+from kvtier.tiers.base import SpillTier, TierError, TierUsage
 from kvtier.transfer import Transfer, TransferEngine
 
 log = logging.getLogger(__name__)
@@ -121,6 +123,8 @@ class _Prefetch:
     held: list = field(default_factory=list)  # spill writes started after the reads
     nbytes: int = 0
     seconds: float = 0.0
+    started: float = field(default_factory=time.perf_counter)  # at allocate
+    finished_at: float = 0.0  # when ``work`` returned (its KV in place)
 
     def run(self) -> None:
         """Do the work unless another thread has taken it."""
@@ -131,6 +135,7 @@ class _Prefetch:
         except Exception as e:  # settled as a load failure, never raised
             self.error = e
         finally:
+            self.finished_at = time.perf_counter()
             self.finished.set()
 
     def cancel(self) -> bool:
@@ -150,6 +155,11 @@ class _Prefetch:
             self.finished.wait()
         else:
             self.transfer.join()
+
+    def latency(self) -> float:
+        """Seconds from ``allocate`` until the KV was in place. An asynchronous copy up
+        (no ``work``) has no host-side end time: its device time stands in for it."""
+        return self.finished_at - self.started if self.work is not None else self.seconds
 
     def outcome(self) -> tuple[int, BaseException | None]:
         """(leading blocks filled, the failure if any) of finished work."""
@@ -175,7 +185,15 @@ def _resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _open_spill_tiers(config: KVTierConfig, namespace: str) -> tuple[list[SpillTier], list[str]]:
+def spill_namespace(config: KVTierConfig, layout: KVLayout) -> str:
+    """The namespace of a cache's keys in shared spill tiers (Redis): 16 hex digits of
+    its namespace root, so different models, layouts or salts never meet."""
+    hashing = config.hashing
+    root = namespace_root(config.model, layout.fingerprint, hashing.salt, hashing.algorithm)
+    return root.hex()[:16]
+
+
+def open_spill_tiers(config: KVTierConfig, namespace: str) -> tuple[list[SpillTier], list[str]]:
     """The configured spill tiers in spill order, and the names of those that could not
     be opened: left out with a warning, or, if ``required``, a ``TierError`` (after
     closing the ones already open)."""
@@ -243,9 +261,10 @@ class TieredCache:
         self._lock = threading.RLock()
         self._offloads: list[_Offload] = []
         self._prefetches: dict[Hashable, _Prefetch] = {}
+        self._metrics: MetricsServer | None = None
         failed: list[str] = []
         if tiers is None and cpu:
-            tiers, failed = _open_spill_tiers(config, root.hex()[:16])
+            tiers, failed = open_spill_tiers(config, spill_namespace(config, layout))
         # A tier left out at start-up stays visible: one error, nothing else.
         self._stats = CacheStats(
             {
@@ -265,6 +284,12 @@ class TieredCache:
                 max_pending_bytes=max(cpu.capacity // 2, 64 << 20),
             )
             self.host.on_evict = self.spill.on_host_evict
+        if config.metrics.prometheus_port is not None:
+            try:
+                self._metrics = serve_metrics(self.stats, config.metrics)
+            except BaseException:
+                self.close()
+                raise
 
     @classmethod
     def from_yaml(
@@ -289,6 +314,7 @@ class TieredCache:
 
         Costs one batched existence check per spill tier, made outside the lock.
         """
+        start = time.perf_counter()
         with self._lock:
             self._poll()
             hashes = self.manager.hash_prompt(req_id, token_ids, extra)
@@ -297,6 +323,9 @@ class TieredCache:
             host = self.host.lookup(wanted[len(gpu) :]) if self.host else []
             self._count_lookup(len(wanted), len(gpu), len(host))
         runs = self.spill.lookup(wanted, len(gpu) + len(host)) if self.spill else []
+        seconds = time.perf_counter() - start
+        with self._lock:
+            self._stats.lookup_latency.observe(seconds)
         return PrefixHit(self.block_size, tuple(gpu), tuple(host), tuple(runs))
 
     def allocate(
@@ -414,10 +443,21 @@ class TieredCache:
             return list(self.manager.block_ids(req_id))
 
     def stats(self) -> CacheStats:
-        """A snapshot of the per-tier counters."""
+        """A snapshot (deep copy) of the counters, latencies and usage of every tier.
+
+        A spill tier's usage is asked of its store outside the lock (one LMDB read
+        transaction; a SCAN of the namespace on Redis); one that fails to answer has
+        ``usage`` None.
+        """
+        nbytes = self.layout.block_nbytes
         with self._lock:
             self._poll()
             snapshot = self._stats.snapshot()
+            for name, pool in (("gpu", self.gpu), ("cpu", self.host)):
+                if pool is not None:
+                    snapshot[name].usage = TierUsage(
+                        pool.num_cached, pool.num_cached * nbytes, pool.num_blocks * nbytes
+                    )
         if self.spill:
             snapshot.tiers.update(self.spill.stats())
         return snapshot
@@ -432,6 +472,9 @@ class TieredCache:
             self.spill.flush()
 
     def close(self) -> None:
+        """Stop the metrics server, finish every copy and write, release the tiers."""
+        if self._metrics is not None:
+            self._metrics.close()
         self.flush()
         self.transfer.close()
         if self.spill:
@@ -522,6 +565,8 @@ class TieredCache:
             from_host = min(valid, n_host)
             self._stats["cpu"].count_out(from_host, from_host * self.layout.block_nbytes, p.seconds)
             self._stats["gpu"].count_in(valid, p.nbytes)
+        if error is None:
+            self._stats.prefetch_latency.observe(p.latency())
         p.result = (p.first + valid) * self.block_size
 
     def _poll(self) -> None:

@@ -11,6 +11,7 @@ expected. Every field has a default, so ``parse_config({})`` is valid.
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import math
 import os
 import re
@@ -213,9 +214,12 @@ class TransferConfig:
 
 @dataclass(frozen=True)
 class MetricsConfig:
-    """``prometheus_port`` (1..65535) exports metrics over HTTP; None disables it."""
+    """``prometheus_port`` (1..65535) serves ``/metrics`` over HTTP on
+    ``prometheus_host`` (an IP address or host name; loopback unless set); None
+    disables it."""
 
     prometheus_port: int | None = None
+    prometheus_host: str = "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -540,6 +544,21 @@ def _host_port(value: Any, path: str) -> str:
     return str(value)
 
 
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HOSTNAME = re.compile(rf"(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*", re.ASCII)
+
+
+def _host(value: Any, path: str) -> str:
+    """An IP address (v4 or v6, without brackets) or a DNS host name."""
+    if isinstance(value, str):
+        try:
+            return str(ipaddress.ip_address(value))
+        except ValueError:
+            if _HOSTNAME.fullmatch(value):
+                return str(value)
+    raise _expected(path, value, "an IP address or a host name, e.g. '127.0.0.1' or '0.0.0.0'")
+
+
 def _cluster(value: Any, path: str) -> bool | tuple[str, ...]:
     value = _scalar(value)
     if isinstance(value, bool):
@@ -560,11 +579,15 @@ def _read_config(sec: _Section) -> KVTierConfig:
         hashing=_read_hashing(sec.section("hashing", HashingConfig)),
         tiers=_read_tiers(sec.section("tiers", TiersConfig)),
         transfer=_read_transfer(sec.section("transfer", TransferConfig)),
-        metrics=MetricsConfig(
-            prometheus_port=sec.section("metrics", MetricsConfig).get(
-                "prometheus_port", _optional(_port), None
-            )
-        ),
+        metrics=_read_metrics(sec.section("metrics", MetricsConfig)),
+    )
+
+
+def _read_metrics(sec: _Section) -> MetricsConfig:
+    d = MetricsConfig()
+    return MetricsConfig(
+        prometheus_port=sec.get("prometheus_port", _optional(_port), d.prometheus_port),
+        prometheus_host=sec.get("prometheus_host", _host, d.prometheus_host),
     )
 
 

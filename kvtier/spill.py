@@ -41,10 +41,11 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 
 import numpy as np
@@ -87,6 +88,7 @@ class LoadResult:
     bad: list[tuple[str, bytes, str]] = field(default_factory=list)  # tier, key, reason
     errors: list[str] = field(default_factory=list)  # tiers that raised TierError
     blocks_read: dict[str, int] = field(default_factory=dict)
+    read_seconds: dict[str, float] = field(default_factory=dict)  # per tier, its get_many
 
 
 def _extend_prefix(present: Sequence[bool], first: int, start: int, end: int, c: int) -> list:
@@ -216,7 +218,9 @@ class SpillManager:
                 ok[i] = True
 
             try:
+                start = time.perf_counter()
                 tier.get_many([c.key for c in run.chunks], sink)
+                result.read_seconds[run.tier] = time.perf_counter() - start
             except Exception as e:  # what loaded before the failure is still good
                 result.errors.append(run.tier)
                 log.warning("kvtier: %s tier read failed: %s", run.tier, e)
@@ -236,7 +240,7 @@ class SpillManager:
         with self._lock:
             nbytes = self.host.layout.block_nbytes
             for name, n in result.blocks_read.items():
-                self._stats[name].count_out(n, n * nbytes)
+                self._stats[name].count_out(n, n * nbytes, result.read_seconds.get(name))
             for name in result.errors:
                 self._stats[name].errors += 1
             for name, _, _ in result.bad:
@@ -266,9 +270,17 @@ class SpillManager:
             self._complete_chunk(tier, tail, p)
 
     def stats(self) -> dict[str, TierStats]:
-        """A snapshot of each spill tier's counters."""
+        """A snapshot of each spill tier's counters, and what it holds (asked of the
+        store outside the lock; None when it cannot answer)."""
         with self._lock:
-            return {t.name: replace(self._stats[t.name], evictions=t.evictions) for t in self.tiers}
+            out = {t.name: self._stats[t.name].snapshot() for t in self.tiers}
+        for tier in self.tiers:
+            out[tier.name].evictions = tier.evictions
+            try:
+                out[tier.name].usage = tier.usage()
+            except Exception as e:  # a dead store has no usage to report, nothing more
+                log.debug("kvtier: %s tier usage unavailable: %s", tier.name, e)
+        return out
 
     def close(self) -> None:
         """Finish queued writes and close every tier."""
@@ -380,7 +392,9 @@ class SpillManager:
             todo = [item for item, p in zip(items, present) if not p]
             if not todo:
                 return
+            start = time.perf_counter()
             stored = tier.put_many([(key, value) for key, value, _ in todo])
+            seconds = time.perf_counter() - start
             if stored < len(todo):  # the tier skipped some (too large for it): which?
                 landed = tier.contains_many([key for key, _, _ in todo])
                 skipped = [item for item, ok in zip(todo, landed) if not ok]
@@ -389,7 +403,7 @@ class SpillManager:
                     self._stats[tier.name].dropped += sum(n for _, _, n in skipped)
             with self._lock:
                 self._stats[tier.name].count_in(
-                    sum(n for _, _, n in todo), sum(len(v) for _, v, _ in todo)
+                    sum(n for _, _, n in todo), sum(len(v) for _, v, _ in todo), seconds
                 )
         finally:
             with self._lock:

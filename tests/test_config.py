@@ -476,6 +476,21 @@ def test_error_port_out_of_range() -> None:
     assert_names(error, "metrics.prometheus_port", "70000", "1..65535")
 
 
+def test_metrics_are_served_on_loopback_unless_a_host_is_given() -> None:
+    assert parse_config({"metrics": {"prometheus_port": 9100}}).metrics.prometheus_host == (
+        "127.0.0.1"
+    )
+    for host in ("0.0.0.0", "::1", "metrics.internal"):
+        config = parse_config({"metrics": {"prometheus_host": host}})
+        assert config.metrics.prometheus_host == host
+
+
+@pytest.mark.parametrize("host", ["", "bad host", "-x.example", "[::1]", 8080])
+def test_error_metrics_host_not_an_address(host: object) -> None:
+    error = config_error({"metrics": {"prometheus_host": host}})
+    assert_names(error, "metrics.prometheus_host", repr(host), "an IP address or a host name")
+
+
 def test_error_spill_order_names_unconfigured_tier() -> None:
     error = config_error({"tiers": {"disk": None, "spill_order": ["disk", "redis"]}})
     assert error.path == "tiers.spill_order"
