@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 from redis_servers import LOCAL_URL, delete_prefix, unique_prefix  # noqa: E402
 
 from kvtier.config import parse_config  # noqa: E402
-from kvtier.integrations.hf import CachedLM, layout_for  # noqa: E402
+from kvtier.integrations.hf import CachedLM, layout_for, recompute, weights_id  # noqa: E402
 
 BLOCK = 8
 VOCAB = 256
@@ -179,3 +179,17 @@ def test_redis_hit_in_a_fresh_cache_is_served_like_recompute(model, real_client)
         second_instance_hits(model, tiers(model, redis=redis), "redis")
     finally:
         assert delete_prefix(real_client, prefix) > 0  # it really went through Redis
+
+
+def test_weights_id_names_the_weights_not_the_shapes(model):
+    twin = transformers.LlamaForCausalLM(model.config).eval()
+    twin.load_state_dict(model.state_dict())
+    other = transformers.LlamaForCausalLM(model.config).eval()  # same shapes, new weights
+    assert weights_id(twin) == weights_id(model) != weights_id(other)
+
+
+def test_recompute_is_plain_generate_with_its_time_to_first_token(model):
+    tokens = prompt(33, seed=12)
+    base = recompute(model, tokens, 8)
+    assert base.tokens == plain_generate(model, tokens, 8)
+    assert 0 < base.ttft_seconds <= base.seconds and base.hit is None

@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 from os import PathLike
 
 import torch
+import xxhash
 from transformers import DynamicCache, GenerationConfig, PreTrainedModel
 
 from kvtier.cache import PrefixHit, TieredCache
@@ -88,7 +89,7 @@ class Generation:
     """A generated reply, what the cache supplied, and its time to first token."""
 
     tokens: list[int]  # the new tokens only
-    hit: PrefixHit
+    hit: PrefixHit | None  # None for a run without kvtier (``recompute``)
     cached_tokens: int
     ttft_seconds: float  # lookup start -> first new token chosen
     seconds: float  # lookup start -> last new token chosen (write-back not included)
@@ -124,6 +125,59 @@ class _Request:
     past: DynamicCache
     start: int
     slots: int
+
+
+def recompute(
+    model: PreTrainedModel,
+    token_ids: Sequence[int],
+    max_new_tokens: int,
+    generation_config: GenerationConfig | None = None,
+) -> Generation:
+    """Plain ``model.generate`` without kvtier, timed like ``CachedLM.generate``: the
+    baseline a cached run is compared with."""
+    t0 = time.perf_counter()
+    past = DynamicCache()
+    tokens, ttft, seconds = _generate(model, token_ids, past, max_new_tokens, generation_config, t0)
+    return Generation(tokens, None, 0, ttft, seconds)
+
+
+def weights_id(model: PreTrainedModel) -> str:
+    """A model id from the weights themselves (xxh3-128 of every parameter's bytes),
+    for models that have no name, e.g. built or fine-tuned in code."""
+    h = xxhash.xxh3_128()
+    for name, tensor in model.state_dict().items():
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return f"{model.config.model_type}-{h.hexdigest()}"
+
+
+def _generate(
+    model: PreTrainedModel,
+    token_ids: Sequence[int],
+    past: DynamicCache,
+    max_new_tokens: int,
+    generation_config: GenerationConfig | None,
+    t0: float,
+) -> tuple[list[int], float, float]:
+    """``model.generate`` continuing from ``past`` (the prompt's first tokens): the new
+    tokens, seconds from ``t0`` to the first of them and to the last."""
+    gen = copy.deepcopy(generation_config or model.generation_config)
+    gen.max_new_tokens, gen.max_length = max_new_tokens, None
+    if gen.pad_token_id is None:  # one sequence, no padding: silences a warning
+        gen.pad_token_id = 0
+    clock = _FirstTokenClock()
+    ids = torch.tensor([list(token_ids)], dtype=torch.long, device=model.device)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            past_key_values=past,
+            generation_config=gen,
+            streamer=clock,
+        )
+    seconds = time.perf_counter() - t0
+    first = clock.first_token_at
+    return out[0, len(token_ids) :].tolist(), (first or t0 + seconds) - t0, seconds
 
 
 class CachedLM:
@@ -186,32 +240,17 @@ class CachedLM:
         ``generation_config`` defaults to the model's own (greedy unless it samples).
         The prompt's and the reply's full blocks are committed afterwards.
         """
-        gen = copy.deepcopy(generation_config or self.model.generation_config)
-        gen.max_new_tokens, gen.max_length = max_new_tokens, None
-        if gen.pad_token_id is None:  # one sequence, no padding: silences a warning
-            gen.pad_token_id = 0
         t0 = time.perf_counter()
         req = self._begin(token_ids)
-        clock = _FirstTokenClock()
         try:
-            ids = self._tensor(token_ids)
-            with torch.no_grad():
-                out = self.model.generate(
-                    input_ids=ids,
-                    attention_mask=torch.ones_like(ids),
-                    past_key_values=req.past,
-                    generation_config=gen,
-                    streamer=clock,
-                )
-            seconds = time.perf_counter() - t0
-            tokens = out[0].tolist()
+            tokens, ttft, seconds = _generate(
+                self.model, token_ids, req.past, max_new_tokens, generation_config, t0
+            )
             # The last new token was never fed back, so its KV is not in ``past``.
-            self._store(req, tokens[: req.past.get_seq_length()])
+            self._store(req, [*token_ids, *tokens][: req.past.get_seq_length()])
         finally:
             self.cache.free(req.req_id)
-        first = clock.first_token_at
-        ttft = first - t0 if first is not None else seconds
-        return Generation(tokens[len(token_ids) :], req.hit, req.start, ttft, seconds)
+        return Generation(tokens, req.hit, req.start, ttft, seconds)
 
     def close(self) -> None:
         self.cache.close()
