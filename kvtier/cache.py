@@ -193,23 +193,25 @@ def spill_namespace(config: KVTierConfig, layout: KVLayout) -> str:
     return root.hex()[:16]
 
 
+def open_spill_tier(config: KVTierConfig, name: str, namespace: str) -> SpillTier:
+    """The spill tier ``tiers.<name>`` of ``config`` (``TierError`` if it cannot be opened)."""
+    from kvtier.tiers.lmdb import LMDBTier
+    from kvtier.tiers.redis import RedisTier
+
+    cfg = getattr(config.tiers, name)
+    return LMDBTier.from_config(cfg) if name == "disk" else RedisTier.from_config(cfg, namespace)
+
+
 def open_spill_tiers(config: KVTierConfig, namespace: str) -> tuple[list[SpillTier], list[str]]:
     """The configured spill tiers in spill order, and the names of those that could not
     be opened: left out with a warning, or, if ``required``, a ``TierError`` (after
     closing the ones already open)."""
-    from kvtier.tiers.lmdb import LMDBTier
-    from kvtier.tiers.redis import RedisTier
-
     tiers: list[SpillTier] = []
     failed: list[str] = []
     for name in config.tiers.spill_order:
         cfg = getattr(config.tiers, name)
         try:
-            tier = (
-                LMDBTier.from_config(cfg)
-                if name == "disk"
-                else RedisTier.from_config(cfg, namespace)
-            )
+            tier = open_spill_tier(config, name, namespace)
         except TierError as e:
             if cfg.required:
                 for opened in tiers:

@@ -330,6 +330,20 @@ class ChunkCodec:
         blocks = np.frombuffer(mv, dtype=np.uint8, count=length, offset=start).reshape(n, bn)
         return header, blocks
 
+    def peek(self, value: bytes | bytearray | memoryview) -> ChunkHeader | None:
+        """The header of a value in this codec's fixed form, checking nothing else (not
+        the key, the length or the checksum): for showing what a bad value claims to
+        be. None for any other value (another layout, a foreign or truncated header)."""
+        mv = memoryview(value)
+        if mv.ndim != 1 or mv.itemsize != 1:
+            mv = mv.cast("B")
+        if mv.nbytes < self._header.size:
+            return None
+        seg0, key, seg1, n, seg2, pos, seg3, length, seg4, checksum = self._header.unpack_from(mv)
+        if (seg0, seg1, seg2, seg3, seg4) != self._segments:
+            return None
+        return ChunkHeader(FORMAT_VERSION, self.fingerprint, key, n, pos, length, checksum)
+
     def _decode_fixed(
         self, mv: memoryview, size: int, key: bytes | bytearray | memoryview
     ) -> tuple[ChunkHeader, np.ndarray] | None:
