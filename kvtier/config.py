@@ -255,7 +255,7 @@ def default_config() -> KVTierConfig:
             block_size=16,
             num_kv_heads=4,
             head_dim=64,
-            dtype=torch.float16,
+            dtype=torch.float32,
         ),
         tiers=TiersConfig(
             gpu=GPUTierConfig(num_blocks=256, device="auto"),

@@ -210,6 +210,7 @@ class CachedLM:
                 layout.describe(),
             )
         self.model = model
+        self.model_id = model_id
         self.layout = layout
         self.cache = TieredCache(replace(config, model=model_id), layout, model.device)
         self._ids = itertools.count()
