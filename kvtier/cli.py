@@ -1,4 +1,8 @@
-"""The ``kvtier`` command."""
+"""The ``kvtier`` command.
+
+Exit codes: 0 success; 1 a tier could not be reached, or a confirmation was declined;
+2 a bad config, argument or missing optional dependency (the message names it).
+"""
 
 from __future__ import annotations
 
@@ -8,15 +12,18 @@ import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import asdict, replace
+from pathlib import Path
 
-import numpy as np
-
+from kvtier import admin
 from kvtier.cache import TieredCache
-from kvtier.config import ConfigError, KVTierConfig, default_config, load_config
+from kvtier.chunk import ChunkCodec
+from kvtier.config import SPILL_TIERS, ConfigError, KVTierConfig, default_config, load_config
+from kvtier.plot import PlotUnavailable, plot_replay, pyplot
 from kvtier.progress import progress
 from kvtier.replay import read_trace, replay
 from kvtier.synthetic import serve
+from kvtier.tiers.base import TierError
 from kvtier.workloads import multi_turn_chat
 
 
@@ -82,10 +89,27 @@ def _run_demo(cache: TieredCache, args: argparse.Namespace) -> int:
     return 0
 
 
+class UsageError(Exception):
+    """A command line that cannot be carried out; the message says why."""
+
+
+def _size(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    raise AssertionError("unreachable")
+
+
 def replay_trace(args: argparse.Namespace) -> int:
     """Replay a request trace through the configured tiers; print hit rates and latencies."""
     config = load_config(args.config)
-    requests = read_trace(args.trace, args.limit)
+    if args.plot:
+        pyplot()  # before the replay: a missing matplotlib should not cost a whole run
+    try:
+        requests = read_trace(args.trace, args.limit)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"cannot replay {args.trace}: {e}") from None
     with _open_cache(config, args) as cache:
         result = replay(cache, requests, lambda r: progress(r, desc="replaying"))
         stats = cache.stats()
@@ -105,10 +129,10 @@ def replay_trace(args: argparse.Namespace) -> int:
         f" total {sum(result.hit_blocks.values()):>11} {result.hit_rate:>9.1%}   "
         f"ceiling (unbounded cache) {result.ceiling:.1%}"
     )
-    for name, values in (("lookup", result.lookup_seconds), ("prefetch", result.prefetch_seconds)):
-        if values:
-            p50, p90, p99 = (np.percentile(values, q) * 1e3 for q in (50, 90, 99))
-            print(f"{name} latency ms: p50 {p50:.2f}  p90 {p90:.2f}  p99 {p99:.2f}")
+    for name, h in (("lookup", stats.lookup_latency), ("prefetch", stats.prefetch_latency)):
+        if h.count:
+            p50, p90, p99 = (h.percentile(q) * 1e3 for q in (50, 90, 99))
+            print(f"{name} latency ms: p50 {p50:.2f}  p90 {p90:.2f}  p99 {p99:.2f}  (n={h.count})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
@@ -119,10 +143,91 @@ def replay_trace(args: argparse.Namespace) -> int:
                     "hit_blocks": result.hit_blocks,
                     "hit_rate": result.hit_rate,
                     "ceiling": result.ceiling,
-                    "hit_rate_over_time": result.hit_rate_over_time,
+                    "samples": [asdict(s) for s in result.samples],
+                    "stats": asdict(stats),
                 },
                 f,
             )
+    if args.plot:
+        title = f"kvtier replay: {Path(args.trace).name}, {result.requests} requests"
+        plot_replay(result, args.plot, title)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def _config(path: str | None) -> KVTierConfig:
+    return default_config() if path is None else load_config(path)
+
+
+def tier_stats(args: argparse.Namespace) -> int:
+    """Print what each configured spill tier holds; 1 if one could not be reached."""
+    config = _config(args.config)
+    reports = [admin.report(config, name) for name in admin.configured_tiers(config)]
+    if args.json:
+        print(json.dumps([asdict(r) for r in reports], indent=2))
+    elif not reports:
+        print("no spill tiers are configured (tiers.disk, tiers.redis)")
+    else:
+        print(f"{'tier':>6} {'entries':>9} {'stored':>11} {'capacity':>11} {'used':>6}  where")
+        for r in reports:
+            if r.usage is None:
+                print(f"{r.tier:>6}  unavailable: {r.error}")
+                continue
+            u = r.usage
+            capacity = _size(u.capacity) if u.capacity else "unbounded"
+            used = f"{u.nbytes / u.capacity:6.1%}" if u.capacity else f"{'-':>6}"
+            print(
+                f"{r.tier:>6} {u.entries:>9} {_size(u.nbytes):>11} {capacity:>11} {used}  {r.where}"
+            )
+    return 1 if any(r.error for r in reports) else 0
+
+
+def inspect_tier(args: argparse.Namespace) -> int:
+    """List the first chunks of one spill tier: key, blocks, position, bytes, check."""
+    config = _config(args.config)
+    [name] = admin.configured_tiers(config, [args.tier])
+    codec = ChunkCodec(admin.require_layout(config))
+    with admin.open_tier(config, name) as tier:
+        if tier is None:
+            print(f"{name}: no store at {admin.where(config, name)} yet")
+            return 0
+        usage = tier.usage()
+        print(
+            f"{name} ({admin.where(config, name)}): {usage.entries} chunks, "
+            f"{_size(usage.nbytes)}; the first {min(args.limit, usage.entries)}:"
+        )
+        print(f"{'key':<32} {'blocks':>6} {'first':>7} {'bytes':>11}  check")
+        bad = 0
+        for c in admin.list_chunks(tier, codec, args.limit):
+            blocks = "-" if c.num_blocks is None else c.num_blocks
+            first = "-" if c.first_position is None else c.first_position
+            bad += c.problem is not None
+            check = c.problem or "ok"
+            print(f"{c.key:<32} {blocks:>6} {first:>7} {_size(c.nbytes):>11}  {check}")
+    if bad:
+        print(f"{bad} bad values (a cache that reads one deletes it and counts it as rejected)")
+    return 0
+
+
+def clear_tiers(args: argparse.Namespace) -> int:
+    """Delete every value of the configured spill tiers (or of ``--tier``), after asking."""
+    config = _config(args.config)
+    names = admin.configured_tiers(config, [args.tier] if args.tier else None)
+    if not names:
+        print("no spill tiers are configured (tiers.disk, tiers.redis): nothing to clear")
+        return 0
+    targets = "; ".join(f"{n} at {admin.where(config, n)}" for n in names)
+    if not args.yes:
+        if not sys.stdin.isatty():
+            raise UsageError("clear: stdin is not a terminal to confirm on; pass --yes")
+        answer = input(f"Delete every kvtier value in {targets}? [y/N] ")
+        if answer.strip().lower() not in ("y", "yes"):
+            print("nothing deleted")
+            return 1
+    for name in names:
+        with admin.open_tier(config, name) as tier:
+            removed = tier.clear() if tier is not None else 0
+        print(f"{name}: deleted {removed} values")
     return 0
 
 
@@ -147,8 +252,37 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", help="write the result as JSON here")
     r.add_argument("--device", help="torch device of the GPU tier (default: from the config)")
     r.add_argument("--keep-cache", action="store_true", help="use the configured disk path")
+    r.add_argument("--plot", metavar="OUT.png", help="draw the hit rate over time here")
     r.set_defaults(func=replay_trace)
+    config_help = "YAML config (default: the embedded default)"
+    s = sub.add_parser("stats", help="what each configured spill tier holds")
+    s.add_argument("--config", help=config_help)
+    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    s.set_defaults(func=tier_stats)
+    i = sub.add_parser(
+        "inspect",
+        help="list a spill tier's chunks and check each (reading counts as a use)",
+    )
+    i.add_argument("--config", help=config_help)
+    i.add_argument("--tier", required=True, choices=SPILL_TIERS)
+    i.add_argument("--limit", type=_positive_int, default=20, help="chunks to show (default 20)")
+    i.set_defaults(func=inspect_tier)
+    c = sub.add_parser("clear", help="delete every value in the configured spill tiers")
+    c.add_argument("--config", help=config_help)
+    c.add_argument("--tier", choices=SPILL_TIERS, help="only this tier (default: all)")
+    c.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    c.set_defaults(func=clear_tiers)
     return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -158,6 +292,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"kvtier: config error: {e}", file=sys.stderr)
         return 2
+    except (UsageError, PlotUnavailable) as e:
+        print(f"kvtier: {e}", file=sys.stderr)
+        return 2
+    except TierError as e:
+        print(f"kvtier: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -10,12 +10,14 @@ real token ids that kvtier hashes itself, and bytes really move through every ti
 The *ceiling* is the block hit rate of an unbounded cache under kvtier's rules: a
 request can hit the full blocks an earlier request committed, never the block that
 holds its own last token.
+
+Latencies are not measured here: the cache's own ``stats()`` histograms (lookup,
+prefetch, per-tier batches) cover the replay.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,6 +108,30 @@ def ceiling_hits(requests: Iterable[TraceRequest], block_size: int) -> list[int]
     return out
 
 
+@dataclass(frozen=True)
+class ReplaySample:
+    """One served request: when it arrived, its prompt's blocks, the blocks it hit in
+    each tier, and the blocks an unbounded cache would have hit."""
+
+    timestamp_ms: int
+    prompt_blocks: int
+    hit_blocks: dict[str, int]
+    ceiling_blocks: int
+
+
+@dataclass(frozen=True)
+class HitRateWindows:
+    """Hit rates per time window of ``width_s`` seconds: ``start_s[i]`` (seconds into the
+    trace) opens window ``i``; ``per_tier[t][i]`` and ``ceiling[i]`` are shares of the
+    prompt blocks of the requests that arrived in it. Windows no request arrived in are
+    left out."""
+
+    width_s: float
+    start_s: list[float]
+    per_tier: dict[str, list[float]]
+    ceiling: list[float]
+
+
 @dataclass
 class ReplayResult:
     """What a replay measured; block counts are cache blocks."""
@@ -115,9 +141,7 @@ class ReplayResult:
     hit_blocks: dict[str, int] = field(default_factory=dict)  # per tier
     ceiling_blocks: int = 0
     skipped: int = 0  # requests the GPU pool could not hold
-    lookup_seconds: list[float] = field(default_factory=list)
-    prefetch_seconds: list[float] = field(default_factory=list)
-    hit_rate_over_time: list[tuple[int, float]] = field(default_factory=list)  # (ms, rate)
+    samples: list[ReplaySample] = field(default_factory=list)  # per served request
 
     @property
     def hit_rate(self) -> float:
@@ -126,6 +150,32 @@ class ReplayResult:
     @property
     def ceiling(self) -> float:
         return self.ceiling_blocks / max(self.prompt_blocks, 1)
+
+    def windows(self, count: int) -> HitRateWindows:
+        """Hit rates in ``count`` equal time windows spanning the replayed requests."""
+        if count < 1:
+            raise ValueError(f"count must be >= 1, got {count}")
+        tiers = list(self.hit_blocks)
+        if not self.samples:
+            return HitRateWindows(0.0, [], {t: [] for t in tiers}, [])
+        t0, t1 = self.samples[0].timestamp_ms, self.samples[-1].timestamp_ms
+        width = max(t1 - t0, 1) / count
+        prompt = [0] * count
+        hits = {t: [0] * count for t in tiers}
+        ceiling = [0] * count
+        for s in self.samples:
+            i = min(int((s.timestamp_ms - t0) / width), count - 1)
+            prompt[i] += s.prompt_blocks
+            ceiling[i] += s.ceiling_blocks
+            for t, n in s.hit_blocks.items():
+                hits[t][i] += n
+        used = [i for i in range(count) if prompt[i]]
+        return HitRateWindows(
+            width / 1000,
+            [i * width / 1000 for i in used],
+            {t: [hits[t][i] / prompt[i] for i in used] for t in tiers},
+            [ceiling[i] / prompt[i] for i in used],
+        )
 
 
 def replay(
@@ -146,28 +196,24 @@ def replay(
     for i, req in enumerate(items):
         prompt = tokens.prompt(req)
         rid = f"r{i}"
-        t0 = time.perf_counter()
         hit = cache.lookup(rid, prompt)
-        t1 = time.perf_counter()
         table = cache.allocate(rid, len(prompt) - hit.num_tokens, hit)
         if table is None:
             cache.free(rid)
             result.skipped += 1
             continue
         valid = cache.wait(rid)
-        t2 = time.perf_counter()
-        result.lookup_seconds.append(t1 - t0)
-        if hit.num_blocks > len(hit.gpu_blocks):
-            result.prefetch_seconds.append(t2 - t1)
         cache.commit(rid, prompt)
         cache.free(rid)
-        result.requests += 1
-        result.prompt_blocks += req.input_length // bs
-        result.ceiling_blocks += ceiling[i]
         loaded = valid // bs
+        hit_blocks = {}
         for tier, n in hit.tokens_per_tier().items():  # in hierarchy order
-            take = min(n // bs, loaded)
-            result.hit_blocks[tier] = result.hit_blocks.get(tier, 0) + take
-            loaded -= take
-        result.hit_rate_over_time.append((req.timestamp_ms, result.hit_rate))
+            hit_blocks[tier] = min(n // bs, loaded)
+            loaded -= hit_blocks[tier]
+            result.hit_blocks[tier] = result.hit_blocks.get(tier, 0) + hit_blocks[tier]
+        sample = ReplaySample(req.timestamp_ms, req.input_length // bs, hit_blocks, ceiling[i])
+        result.samples.append(sample)
+        result.requests += 1
+        result.prompt_blocks += sample.prompt_blocks
+        result.ceiling_blocks += sample.ceiling_blocks
     return result

@@ -4,7 +4,14 @@ import pytest
 
 from kvtier.cache import TieredCache
 from kvtier.config import parse_config
-from kvtier.replay import TraceRequest, ceiling_hits, read_trace, replay
+from kvtier.replay import (
+    ReplayResult,
+    ReplaySample,
+    TraceRequest,
+    ceiling_hits,
+    read_trace,
+    replay,
+)
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 
@@ -47,3 +54,40 @@ def test_a_malformed_trace_line_is_reported_with_its_line_number(tmp_path):
     bad.write_text('{"timestamp": 0, "input_length": 10, "hash_ids": [1]}\n{"timestamp": 1}\n')
     with pytest.raises(ValueError, match=r"t.jsonl:2: not a trace request"):
         read_trace(bad)
+
+
+def result_of(*samples: ReplaySample) -> ReplayResult:
+    result = ReplayResult(samples=list(samples))
+    for s in samples:
+        for tier, n in s.hit_blocks.items():
+            result.hit_blocks[tier] = result.hit_blocks.get(tier, 0) + n
+    return result
+
+
+def test_windows_give_each_tiers_share_of_the_blocks_arriving_in_them():
+    result = result_of(
+        ReplaySample(0, 10, {"gpu": 2, "disk": 3}, 6),
+        ReplaySample(400, 30, {"gpu": 0, "disk": 12}, 20),  # same first half-second
+        ReplaySample(1000, 8, {"gpu": 4, "disk": 0}, 4),
+    )
+    w = result.windows(2)
+    assert w.width_s == 0.5 and w.start_s == [0.0, 0.5]
+    assert w.per_tier == {"gpu": [2 / 40, 4 / 8], "disk": [15 / 40, 0.0]}
+    assert w.ceiling == [26 / 40, 4 / 8]
+
+
+def test_windows_no_request_arrived_in_are_left_out():
+    result = result_of(ReplaySample(0, 4, {"gpu": 1}, 1), ReplaySample(900, 4, {"gpu": 2}, 2))
+    w = result.windows(3)
+    assert w.start_s == [0.0, 0.6] and w.per_tier["gpu"] == [0.25, 0.5]
+
+
+def test_a_replay_records_one_sample_per_request_adding_up_to_its_totals():
+    requests = [TraceRequest(10 * i, 700 + 30 * i, (1, 2 + i % 2)) for i in range(6)]
+    with unbounded_cache() as cache:
+        result = replay(cache, requests)
+    assert [s.timestamp_ms for s in result.samples] == [r.timestamp_ms for r in requests]
+    assert sum(s.prompt_blocks for s in result.samples) == result.prompt_blocks
+    assert sum(s.ceiling_blocks for s in result.samples) == result.ceiling_blocks > 0
+    for tier, n in result.hit_blocks.items():
+        assert sum(s.hit_blocks[tier] for s in result.samples) == n
