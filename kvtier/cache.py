@@ -457,6 +457,8 @@ class TieredCache:
             snapshot = self._stats.snapshot()
             for name, pool in (("gpu", self.gpu), ("cpu", self.host)):
                 if pool is not None:
+                    # The pools count their own evictions, whoever's allocation caused them.
+                    snapshot[name].evictions = pool.stats().evictions
                     snapshot[name].usage = TierUsage(
                         pool.num_cached, pool.num_cached * nbytes, pool.num_blocks * nbytes
                     )
@@ -609,9 +611,7 @@ class TieredCache:
         if not n:
             return
         todo = todo[:n]
-        evictions_before = host.stats().evictions
         slots = host.allocate(n)
-        stats.evictions += host.stats().evictions - evictions_before
         src = [blocks.block_ids[i] for i in todo]
         if pin_source:
             self.gpu.touch(src)

@@ -185,3 +185,10 @@ def test_stats_serialise_to_json_through_asdict(cache):
     assert tree["tiers"]["disk"]["hits"] > 0
     assert tree["tiers"]["disk"]["usage"]["entries"] > 0
     assert sum(tree["prefetch_latency"]["buckets"]) == tree["prefetch_latency"]["count"] == 1
+
+
+def test_evictions_of_the_gpu_and_host_pools_are_counted(cache):
+    served_from_disk(cache)
+    s = cache.stats()
+    assert s["gpu"].evictions == cache.gpu.stats().evictions > 0
+    assert s["cpu"].evictions == cache.host.stats().evictions > 0
