@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvtier._core import HashIndex
+
 
 @dataclass(frozen=True)
 class CachedBlocks:
@@ -82,7 +84,9 @@ class BlockPool:
         self._hash = np.full(num_blocks, None, dtype=object)
         self._parent = np.full(num_blocks, None, dtype=object)
         self._pos = np.full(num_blocks, -1, dtype=np.int64)  # chain position; -1: no hash
-        self._cached: dict[bytes, int] = {}
+        # hash -> block; compiled (kvtier._core) so that a batch of probes into a pool of
+        # a million blocks overlaps its cache misses instead of paying them one by one.
+        self._cached = HashIndex(num_blocks)
         # Empty free blocks: a stack; order is irrelevant since nothing can hit them.
         self._empty = np.arange(num_blocks, dtype=np.int64)[::-1].copy()
         self._num_empty = num_blocks
@@ -109,21 +113,14 @@ class BlockPool:
 
     def lookup(self, hashes: Sequence[bytes]) -> list[int]:
         """Block ids of the longest prefix of ``hashes`` cached here. Pins nothing."""
-        get = self._cached.get
-        out: list[int] = []
-        for h in hashes:
-            b = get(h)
-            if b is None:
-                break
-            out.append(b)
+        out = self._cached.prefix(hashes)
         self._queries += len(hashes)
         self._hits += len(out)
         return out
 
     def lookup_each(self, hashes: Sequence[bytes]) -> list[int | None]:
         """The block holding each hash, or None; not a prefix search, counts no query."""
-        get = self._cached.get
-        return [get(h) for h in hashes]
+        return self._cached.find(hashes)
 
     def walk_back(self, last: bytes, count: int) -> tuple[list[int], bytes | None]:
         """Blocks of the ``count`` chain positions ending at hash ``last``, oldest first.
@@ -209,7 +206,7 @@ class BlockPool:
         already cached in another block keeps that block (first writer wins) and this
         block stays unhashed, so it is reused first.
         """
-        ids = np.asarray(block_ids, dtype=np.int64)
+        ids = np.ascontiguousarray(block_ids, dtype=np.int64)
         if not len(ids) == len(hashes) == len(positions) == len(parents):
             raise ValueError("publish needs as many hashes, positions and parents as blocks")
         if not len(ids):
@@ -220,14 +217,13 @@ class BlockPool:
             pos = np.arange(positions.start, positions.stop, positions.step, dtype=np.int64)
         else:
             pos = np.asarray(positions, dtype=np.int64)
-        id_list = ids.tolist()
-        # One dict probe per hash: insert where absent, learn who holds it otherwise.
-        holders = list(map(self._cached.setdefault, hashes, id_list))
-        if holders != id_list:  # another request published some first: those stay unhashed
-            keep = [h == b for h, b in zip(holders, id_list)]
+        taken = self._cached.insert(hashes, ids)  # positions whose hash another block holds
+        if taken:  # another request published those first: these blocks stay unhashed
+            keep = np.ones(len(ids), dtype=bool)
+            keep[taken] = False
             ids, pos = ids[keep], pos[keep]
-            hashes = [h for h, k in zip(hashes, keep) if k]
-            parents = [p for p, k in zip(parents, keep) if k]
+            hashes = [h for h, k in zip(hashes, keep.tolist()) if k]
+            parents = [p for p, k in zip(parents, keep.tolist()) if k]
         self._hash[ids] = _objects(hashes)
         self._parent[ids] = _objects(parents)
         self._pos[ids] = pos
@@ -360,9 +356,7 @@ class BlockPool:
                     parents=self._parent[victims].tolist(),
                 )
             )
-        cached = self._cached
-        for h in hashes:
-            del cached[h]
+        self._cached.remove(hashes)
         self._hash[victims] = None
         self._parent[victims] = None
         self._pos[victims] = -1

@@ -21,7 +21,9 @@ Two digests are offered:
   tenants share a cache (and give each tenant its own salt as well).
 
 Everything is deterministic across processes and machines: no Python ``hash()``,
-no random seeds.
+no random seeds. The chain loop runs in the compiled core (``kvtier._core``, with
+xxh3_128 inlined from the vendored ``xxhash.h``); its digests are the bytes of
+``xxhash.xxh3_128_digest`` and ``hashlib.sha256`` over the same input.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import xxhash
+
+from kvtier._core import chain_hashes
 
 HASH_NBYTES = 16
 ALGORITHMS = ("xxh3_128", "sha256")
@@ -149,7 +153,9 @@ class BlockHasher:
         self.root = root
         self.block_size = block_size
         self.algorithm = algorithm
-        self._digest = get_digest(algorithm)
+        digest = get_digest(algorithm)
+        # The compiled chain inlines xxh3_128 (None); any other digest it calls per block.
+        self._chain_digest = None if algorithm == "xxh3_128" else digest
 
     def hash_blocks(
         self,
@@ -168,19 +174,12 @@ class BlockHasher:
             if first_block != 0:
                 raise ValueError("parent is required when first_block > 0")
             parent = self.root
-        step = 4 * self.block_size
         data = token_bytes(token_ids)
-        end = len(data) // step * step
-        digest = self._digest
-        p = parent
         if extra is None or (extra.lora is None and not extra.mm_inputs):
-            return [p := digest(p + data[i : i + step]) for i in range(0, end, step)]
-        if not extra.mm_inputs:  # a LoRA alone: the same suffix on every block
-            suffix = extra.block_suffix(0, self.block_size)
-            return [p := digest(p + data[i : i + step] + suffix) for i in range(0, end, step)]
-        suffix_of = extra.block_suffix
-        bs = self.block_size
-        return [
-            p := digest(p + data[i : i + step] + suffix_of(first_block + i // step, bs))
-            for i in range(0, end, step)
-        ]
+            suffixes: bytes | list[bytes] = b""
+        elif not extra.mm_inputs:  # a LoRA alone: the same suffix on every block
+            suffixes = extra.block_suffix(0, self.block_size)
+        else:
+            n = len(data) // (4 * self.block_size)
+            suffixes = [extra.block_suffix(first_block + i, self.block_size) for i in range(n)]
+        return chain_hashes(data, parent, 4 * self.block_size, suffixes, self._chain_digest)

@@ -1,9 +1,12 @@
+import hashlib
+import struct
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
+import xxhash
 
 from kvtier.hashing import (
     HASH_NBYTES,
@@ -154,3 +157,42 @@ def test_multimodal_extension_equals_whole_prompt_hashing():
     whole = hasher().hash_blocks(tokens, extra=extra)
     head = hasher().hash_blocks(tokens[:8], extra=extra)
     assert head + hasher().hash_blocks(tokens[8:], head[-1], 2, extra) == whole
+
+
+def _reference_chain(digest, root, tokens, suffix_of):
+    """The documented formula, block by block in Python: the compiled chain must match it."""
+    out, parent = [], root
+    for i in range(len(tokens) // 4):
+        block = struct.pack("<4I", *tokens[4 * i : 4 * i + 4])
+        parent = digest(parent + block + suffix_of(i))
+        out.append(parent)
+    return out
+
+
+EXTRAS = {
+    "plain": None,
+    "lora": ExtraKeys(lora="adapter-7"),
+    "multimodal": ExtraKeys(
+        lora="adapter-7", mm_inputs=(MultiModalInput(b"\x05" * 16, offset=3, length=6),)
+    ),
+}
+
+
+@pytest.mark.parametrize("algorithm", ["xxh3_128", "sha256"])
+@pytest.mark.parametrize("extra", EXTRAS.values(), ids=EXTRAS.keys())
+def test_hashes_are_bit_identical_to_the_digest_over_parent_tokens_and_extras(algorithm, extra):
+    digests = {
+        "xxh3_128": xxhash.xxh3_128_digest,
+        "sha256": lambda b: hashlib.sha256(b).digest()[:16],
+    }
+    tokens = [int(t) for t in np.random.default_rng(3).integers(0, 2**32, 41, dtype=np.uint64)]
+    extra_keys = extra or ExtraKeys()
+    expected = _reference_chain(
+        digests[algorithm], ROOT, tokens, lambda i: extra_keys.block_suffix(i, 4)
+    )
+    assert hasher(algorithm).hash_blocks(tokens, extra=extra) == expected
+
+
+def test_a_parent_that_is_not_16_bytes_is_rejected():
+    with pytest.raises(ValueError, match="parent must be 16 bytes"):
+        hasher().hash_blocks([1, 2, 3, 4], parent=b"short", first_block=1)

@@ -381,7 +381,7 @@ class PoolMachine(RuleBasedStateMachine):
         # 3. every cached hash maps to a block holding it; same set as the model
         for h, b in pool._cached.items():
             assert pool._hash[b] == h
-        assert pool._cached == {chain_hash(k): b for k, b in m.cached.items()}
+        assert dict(pool._cached.items()) == {chain_hash(k): b for k, b in m.cached.items()}
         for b in range(pool.num_blocks):
             k = m.key[b]
             assert pool._hash[b] == (None if k is None else chain_hash(k))
