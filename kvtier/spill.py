@@ -20,6 +20,8 @@ the slots are still valid, and written by an I/O worker:
   in spill order, when both use the same chunk size (a value cannot be re-chunked:
   it does not carry the hashes of its inner blocks).
 
+Each hook call (an eviction, a publish) makes one write per tier, whatever the number
+of chunks, and encodes each chunk once however many tiers of its size take it.
 Writes are queued to I/O workers with a bound on the bytes in flight; past it, a
 write is dropped and counted (the tier is not keeping up). A tier never gets a chunk
 it already holds (one existence check per batch first).
@@ -59,6 +61,8 @@ from kvtier.tiers.base import SpillTier
 log = logging.getLogger(__name__)
 
 HeldWrite = tuple[SpillTier, list, int]  # tier, (key, value, blocks) items, bytes
+Chunk = tuple[bytes, int, list[int]]  # its key (last block's hash), first position, slots
+Encoded = dict[tuple[bytes, int], memoryview]  # values one hook call made, by (key, start)
 
 
 @dataclass(frozen=True)
@@ -252,22 +256,29 @@ class SpillManager:
 
     # ------------------------------------------------------------------ write path
     def on_host_evict(self, victims: CachedBlocks) -> None:
-        """Host eviction hook: spill the victims' chunks before their slots are reused."""
+        """Host eviction hook: spill the victims' chunks before their slots are reused,
+        one batch per tier; tiers of the same chunk size share each encoded value."""
+        encoded: Encoded = {}
         for tier in ([self._back] if self._back else []) + self._through:
-            self._write_chunks(tier, victims)
+            self._encode_and_put(tier, self._evicted_chunks(tier, victims), encoded)
 
     def on_host_publish(self, blocks: CachedBlocks) -> None:
-        """Write-through: write every chunk that these newly cached blocks complete."""
+        """Write-through: write every chunk that these newly cached blocks complete, one
+        batch per tier; tiers of the same chunk size share each encoded value."""
         if not self._through:
             return
-        retry = [t for h in blocks.hashes for t in self._waiting.pop(h, ())]
+        retry = [w for h in blocks.hashes for w in self._waiting.pop(h, ())]
+        encoded: Encoded = {}
         for tier in self._through:
             c = tier.chunk_blocks
-            for h, p in zip(blocks.hashes, blocks.positions):
-                if p % c == c - 1:
-                    self._complete_chunk(tier, h, p)
-        for tier, tail, p in retry:
-            self._complete_chunk(tier, tail, p)
+            tails = [(h, p) for h, p in zip(blocks.hashes, blocks.positions) if p % c == c - 1]
+            tails += [(tail, p) for t, tail, p in retry if t is tier]
+            chunks: dict[bytes, Chunk] = {}  # by key: a chunk completed twice goes once
+            for tail, p in tails:
+                chunk = self._complete_chunk(tier, tail, p)
+                if chunk is not None:
+                    chunks[tail] = chunk
+            self._encode_and_put(tier, list(chunks.values()), encoded)
 
     def stats(self) -> dict[str, TierStats]:
         """A snapshot of each spill tier's counters, and what it holds (asked of the
@@ -318,7 +329,8 @@ class SpillManager:
                 f.exception()
 
     # ------------------------------------------------------------------ internals
-    def _complete_chunk(self, tier: SpillTier, tail: bytes, position: int) -> None:
+    def _complete_chunk(self, tier: SpillTier, tail: bytes, position: int) -> Chunk | None:
+        """The full chunk ending at ``tail``; None, remembering it, while a block is missing."""
         c = tier.chunk_blocks
         slots, missing = self.host.walk_back(tail, c)
         if missing is not None:
@@ -327,10 +339,12 @@ class SpillManager:
                 waiting.append((tier, tail, position))
             if len(self._waiting) > self.host.num_blocks:  # forget the oldest
                 self._waiting.pop(next(iter(self._waiting)))
-            return
-        self._encode_and_put(tier, [(tail, position - c + 1, slots)])
+            return None
+        return tail, position - c + 1, slots
 
-    def _write_chunks(self, tier: SpillTier, victims: CachedBlocks) -> None:
+    def _evicted_chunks(self, tier: SpillTier, victims: CachedBlocks) -> list[Chunk]:
+        """The chunks of ``tier``'s size that hold the victims, each from its aligned start
+        up to its last victim; one whose start is no longer in the host pool is dropped."""
         c = tier.chunk_blocks
         covered: set[int] = set()
         chunks = []
@@ -348,17 +362,21 @@ class SpillManager:
                 continue
             covered.update(slots)
             chunks.append((victims.hashes[i], start, slots))
-        self._encode_and_put(tier, chunks)
+        return chunks
 
-    def _encode_and_put(self, tier: SpillTier, chunks: list[tuple[bytes, int, list[int]]]) -> None:
+    def _encode_and_put(self, tier: SpillTier, chunks: list[Chunk], encoded: Encoded) -> None:
+        """Encode ``chunks`` (while their slots are valid: under the caller's lock) and queue
+        them to ``tier`` as one write; a value already in ``encoded`` is reused."""
         if not chunks:
             return
         nbytes = sum(self.codec.encoded_nbytes(len(slots)) for _, _, slots in chunks)
         if self._reserve(tier, nbytes, sum(len(slots) for _, _, slots in chunks)):
-            items = [
-                (key, self.codec.encode(key, start, self._rows, slots), len(slots))
-                for key, start, slots in chunks
-            ]
+            items = []
+            for key, start, slots in chunks:
+                value = encoded.get((key, start))
+                if value is None:
+                    value = encoded[key, start] = self.codec.encode(key, start, self._rows, slots)
+                items.append((key, value, len(slots)))
             if self._held is not None:
                 self._held.append((tier, items, nbytes))
             else:
@@ -416,11 +434,11 @@ class SpillManager:
         future.add_done_callback(lambda f, t=tier: self._write_done(t, f))
 
     def _write_done(self, tier: SpillTier, future: Future) -> None:
-        with self._lock:
-            self._writes.discard(future)
         error = future.exception()
         if error is not None:
             self._count_error(tier.name, error)
+        with self._lock:  # last, so that flush() returns only once the write is counted
+            self._writes.discard(future)
 
     def _count_error(self, name: str, error: BaseException) -> None:
         log.warning("kvtier: %s tier failed: %s", name, error)

@@ -8,12 +8,17 @@ import sys
 from pathlib import Path
 
 import fakeredis
+import numpy as np
 import pytest
+import torch
 from redis_servers import unique_prefix
 
 from kvtier.cache import TieredCache
-from kvtier.chunk import ChunkCodec
+from kvtier.chunk import ChunkCodec, byte_rows
 from kvtier.config import parse_config
+from kvtier.host_pool import HostPool
+from kvtier.layout import KVLayout
+from kvtier.spill import SpillManager
 from kvtier.synthetic import serve
 from kvtier.tiers.lmdb import LMDBTier
 from kvtier.tiers.redis import RedisTier
@@ -208,3 +213,53 @@ def test_a_full_disk_tier_passes_its_evictions_to_redis(tmp_path):
     assert served.hit.tokens_per_tier().get("redis", 0) > 0
     assert served.valid_tokens == served.hit.num_tokens
     cache.close()
+
+
+class CountingCodec(ChunkCodec):
+    """A codec that counts the values it encodes."""
+
+    __slots__ = ("encoded",)
+
+    def __init__(self, layout) -> None:
+        super().__init__(layout)
+        self.encoded = 0
+
+    def encode(self, *args):
+        self.encoded += 1
+        return super().encode(*args)
+
+
+def host_with_chain(blocks: int) -> tuple[HostPool, list[int]]:
+    """A host pool holding one chain of ``blocks`` published blocks, in reversed slots."""
+    layout = KVLayout(num_layers=2, kv_factor=2, block_size=4, num_kv_heads=2, head_dim=8,
+                      dtype=torch.float32)  # fmt: skip
+    host = HostPool(blocks, layout, pin_memory=False)
+    slots = host.allocate(blocks)[::-1]
+    hashes = [bytes([i]) * 16 for i in range(1, blocks + 1)]
+    host.publish(slots, hashes, range(blocks), [bytes(16), *hashes[:-1]])
+    byte_rows(host.slab)[:] = np.random.default_rng(0).integers(0, 256, (blocks, BLOCK_NBYTES))
+    return host, slots
+
+
+def test_write_through_sends_the_chunks_of_one_publish_as_one_batch():
+    host, slots = host_with_chain(16)
+    redis = fake_redis(chunk_blocks=4)
+    spill = SpillManager([redis], ["redis"], host, write_workers=1, max_pending_bytes=1 << 30)
+    spill.on_host_publish(host.cached_blocks(slots))
+    spill.flush()
+    assert redis.round_trips == 2  # one existence check, one write, for all 4 chunks
+    assert len(list(redis.keys())) == 4
+    spill.close()
+
+
+def test_tiers_of_one_chunk_size_share_each_encoded_value(tmp_path):
+    host, slots = host_with_chain(16)
+    disk = LMDBTier(tmp_path / "lmdb", 64 << 20, chunk_blocks=4)
+    redis = fake_redis(chunk_blocks=4)
+    spill = SpillManager([disk, redis], ["redis"], host, write_workers=1, max_pending_bytes=1 << 30)
+    spill.codec = codec = CountingCodec(host.layout)
+    spill.on_host_evict(host.cached_blocks(slots[::-1]))  # tail first, as the pool evicts
+    spill.flush()
+    assert codec.encoded == 4
+    assert len(list(disk.keys())) == len(list(redis.keys())) == 4
+    spill.close()
