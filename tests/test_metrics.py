@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -12,11 +12,12 @@ import pytest
 
 from kvtier.cache import TieredCache
 from kvtier.chunk import ChunkCodec
-from kvtier.config import parse_config
+from kvtier.config import load_config
 from kvtier.metrics import LATENCY_BOUNDS, Histogram
 from kvtier.synthetic import serve
 
-BLOCK_NBYTES = 2 * 2 * 4 * 2 * 8 * 4  # the layout below: 1 KiB per block
+TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+BLOCK_NBYTES = 2 * 2 * 4 * 2 * 8 * 4  # its layout: 1 KiB per block
 
 
 def observed(values: list[float]) -> Histogram:
@@ -89,26 +90,14 @@ def test_cumulative_counts_end_at_infinity_with_the_total():
 
 
 @pytest.fixture
-def cache(tmp_path: Path):
-    """16 GPU blocks, 16 host slots, LMDB chunks of 4 blocks: prompts reach the disk."""
-    cfg = parse_config(
-        {
-            "model": "metrics-test",
-            "layout": {
-                "num_layers": 2,
-                "block_size": 4,
-                "num_kv_heads": 2,
-                "head_dim": 8,
-                "dtype": "float32",
-            },
-            "tiers": {
-                "gpu": {"num_blocks": 16, "device": "cpu"},
-                "cpu": {"capacity": 16 * BLOCK_NBYTES},
-                "disk": {"path": str(tmp_path / "lmdb"), "capacity": "64MiB", "chunk_blocks": 4},
-            },
-        }
-    )
-    with TieredCache(cfg) as c:
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """configs/tiny.yaml (16 GPU blocks, LMDB chunks of 4) with 16 host slots, so that
+    prompts of 8 blocks soon reach the disk."""
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path))
+    config = load_config(TINY)
+    assert config.layout.block_nbytes == BLOCK_NBYTES
+    tiers = replace(config.tiers, cpu=replace(config.tiers.cpu, capacity=16 * BLOCK_NBYTES))
+    with TieredCache(replace(config, tiers=tiers)) as c:
         yield c
 
 
@@ -160,7 +149,7 @@ def test_usage_says_what_each_tier_holds_and_can_hold(cache):
     assert gpu.nbytes == gpu.entries * BLOCK_NBYTES
     assert cpu.capacity == 16 * BLOCK_NBYTES and cpu.entries == 16
     codec = ChunkCodec(cache.layout)  # a chunk holds 1 to 4 blocks
-    assert disk.capacity == 64 << 20 and disk.entries > 0
+    assert disk.capacity == 16 << 20 and disk.entries > 0
     assert disk.entries * codec.encoded_nbytes(1) <= disk.nbytes
     assert disk.nbytes <= disk.entries * codec.encoded_nbytes(4)
 
