@@ -22,75 +22,44 @@ from kvtier.config import SPILL_TIERS, ConfigError, KVTierConfig, default_config
 from kvtier.plot import PlotUnavailable, plot_replay, pyplot
 from kvtier.progress import progress
 from kvtier.replay import read_trace, replay
-from kvtier.synthetic import serve
 from kvtier.tiers.base import TierError
-from kvtier.workloads import multi_turn_chat
 
 
-def _load(path: str | None) -> KVTierConfig:
-    config = default_config() if path is None else load_config(path)
-    if config.layout is None:
-        raise ConfigError("layout", None, "a layout section (the demo has no model to derive it)")
-    return config
+class UsageError(Exception):
+    """A command line that cannot be carried out; the message says why."""
 
 
 @contextmanager
-def _open_cache(config: KVTierConfig, args: argparse.Namespace) -> Iterator[TieredCache]:
-    """A cache for one CLI run: its disk tier (if any) in a fresh scratch directory,
+def _scratch_config(config: KVTierConfig, args: argparse.Namespace) -> Iterator[KVTierConfig]:
+    """``config`` for one CLI run: its disk tier (if any) in a fresh scratch directory,
     so every run starts cold, unless ``--keep-cache``."""
     with tempfile.TemporaryDirectory(prefix="kvtier-") as scratch:
         disk = config.tiers.disk
         if disk is not None and not args.keep_cache:
             disk = replace(disk, path=f"{scratch}/lmdb")
             config = replace(config, tiers=replace(config.tiers, disk=disk))
-        with TieredCache(config, device=args.device) as cache:
-            yield cache
+        yield config
+
+
+@contextmanager
+def _open_cache(config: KVTierConfig, args: argparse.Namespace) -> Iterator[TieredCache]:
+    """A cache for one CLI run, on a scratch disk tier (``_scratch_config``)."""
+    with _scratch_config(config, args) as config, TieredCache(config, device=args.device) as cache:
+        yield cache
 
 
 def demo(args: argparse.Namespace) -> int:
-    """Serve a synthetic multi-turn chat through every configured tier; print hits per tier."""
-    config = _load(args.config)
-    with _open_cache(config, args) as cache:
-        return _run_demo(cache, args)
-
-
-def _run_demo(cache: TieredCache, args: argparse.Namespace) -> int:
-    requests = list(
-        multi_turn_chat(args.conversations, args.turns, system_tokens=512, user_tokens=128)
-    )
-    tiers = list(cache.stats().tiers)
-    print(
-        f"kvtier demo: {len(requests)} requests; tiers {', '.join(tiers)}; "
-        f"GPU pool {cache.gpu.num_blocks} blocks of {cache.layout.describe()}"
-    )
-    rows = []
-    for req in progress(requests, desc="serving"):
-        served = serve(cache, req.req_id, req.prompt + req.reply)  # checks every hit block
-        rows.append((req, served.hit.tokens_per_tier()))
-    print(
-        f"{'request':>9} {'prompt':>7}" + "".join(f" {t:>7}" for t in tiers) + f" {'computed':>9}"
-    )
-    for req, per_tier in rows:
-        n = len(req.prompt) + len(req.reply)
-        hit = sum(per_tier.values())
-        cols = "".join(f" {per_tier.get(t, 0):>7}" for t in tiers)
-        print(f"{req.req_id:>9} {n:>7}{cols} {n - hit:>9}")
-    total = sum(len(r.prompt) + len(r.reply) for r, _ in rows)
-    stats = cache.stats()
-    print("\nhit rate by tier (share of all tokens):")
-    for t in tiers:
-        served = sum(p.get(t, 0) for _, p in rows)
-        s = stats[t]
-        print(
-            f"  {t:>6}: {served / total:6.1%}   blocks in {s.blocks_in:>6}  out {s.blocks_out:>6}"
-            f"  bytes in {s.bytes_in / 2**20:8.1f} MiB  out {s.bytes_out / 2**20:8.1f} MiB"
-        )
-    print("every block served from a tier matched a recompute bit for bit")
-    return 0
-
-
-class UsageError(Exception):
-    """A command line that cannot be carried out; the message says why."""
+    """Serve a multi-turn chat on a real (random-weight) Llama through every configured
+    tier; compare each turn with a recompute."""
+    try:
+        from kvtier import demo as hf_demo
+    except ImportError as e:
+        raise UsageError(
+            f"kvtier demo needs transformers ({e}): pip install 'kvtier[hf]'"
+        ) from None
+    shape = hf_demo.ChatShape(args.conversations, args.turns)
+    with _scratch_config(_config(args.config), args) as config:
+        return hf_demo.run(config, shape, args.device, args.json, args.plot)
 
 
 def _size(nbytes: int) -> str:
@@ -234,11 +203,15 @@ def clear_tiers(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="serve a multi-turn chat through every tier; print hits")
+    p = sub.add_parser(
+        "demo", help="a Llama serving a multi-turn chat through every tier, vs recompute"
+    )
     p.add_argument("--config", help="YAML config (default: the embedded default)")
-    p.add_argument("--conversations", type=int, default=12)
-    p.add_argument("--turns", type=int, default=6)
-    p.add_argument("--device", help="torch device of the GPU tier (default: from the config)")
+    p.add_argument("--conversations", type=_positive_int, default=4)
+    p.add_argument("--turns", type=_positive_int, default=6)
+    p.add_argument("--device", help="torch device of the model and the GPU tier (default: cpu)")
+    p.add_argument("--json", metavar="OUT.json", help="write every turn and the summary here")
+    p.add_argument("--plot", metavar="OUT.png", help="draw TTFT and tokens per tier per turn")
     p.add_argument(
         "--keep-cache",
         action="store_true",

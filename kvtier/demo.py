@@ -24,6 +24,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvtier.config import KVTierConfig
 from kvtier.integrations.hf import CachedLM, recompute, weights_id
+from kvtier.plot import plot_demo
 from kvtier.progress import progress
 
 # Big enough that a prefill of a few thousand tokens takes a measurable second on a
@@ -107,6 +108,7 @@ def serve_chat(lm: CachedLM, shape: ChatShape, seed: int = 0) -> DemoResult:
     history = [list(system) for _ in range(shape.conversations)]
     order = [(t, c) for t in range(shape.turns) for c in range(shape.conversations)]
     result = DemoResult(lm.model_id, [])
+    recompute(lm.model, text(64), 2)  # warm-up, so that the first turn is not timed cold
     for turn, conv in progress(order, desc="serving"):
         prompt = history[conv] + text(shape.user_tokens)
         got = lm.generate(prompt, shape.reply_tokens)
@@ -172,39 +174,6 @@ def write_json(result: DemoResult, path: str) -> None:
         json.dump(data, f, indent=1)
 
 
-def plot(result: DemoResult, path: str) -> None:
-    """TTFT per turn with and without kvtier, and the tokens each tier supplied."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install 'kvtier[plot]'") from None
-    turns = result.turns
-    x = range(len(turns))
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
-    top.plot(x, [t.ttft_recompute * 1e3 for t in turns], "o-", label="recompute")
-    top.plot(x, [t.ttft_kvtier * 1e3 for t in turns], "o-", label="kvtier")
-    top.set_ylabel("time to first token (ms)")
-    top.set_title("kvtier demo: multi-turn chat on a random-weight Llama")
-    top.legend()
-    base = [0] * len(turns)
-    for tier in [*result.tiers, "computed"]:
-        values = [
-            t.computed_tokens if tier == "computed" else t.tokens_per_tier.get(tier, 0)
-            for t in turns
-        ]
-        bottom.bar(x, values, bottom=base, label=tier)
-        base = [b + v for b, v in zip(base, values)]
-    bottom.set_ylabel("prompt tokens")
-    bottom.set_xlabel("request (conversations interleaved, turn by turn)")
-    bottom.legend(ncol=len(result.tiers) + 1)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def run(
     config: KVTierConfig,
     shape: ChatShape,
@@ -225,5 +194,5 @@ def run(
     if json_out:
         write_json(result, json_out)
     if plot_out:
-        plot(result, plot_out)
+        plot_demo(result, plot_out)
     return 0 if result.all_equal else 1

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 from kvtier.replay import ReplayResult
+
+if TYPE_CHECKING:  # the demo needs transformers; plotting a result of it does not
+    from kvtier.demo import DemoResult
 
 # Tier colours, fixed so that every plot reads the same way.
 TIER_COLORS = {"gpu": "#2b8a3e", "cpu": "#1971c2", "disk": "#e8590c", "redis": "#c2255c"}
@@ -71,6 +75,38 @@ def plot_replay(result: ReplayResult, path: str | Path, title: str, windows: int
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend(loc="upper left", fontsize="small")
+        fig.tight_layout()
+        fig.savefig(path)
+    finally:
+        plt.close(fig)
+
+
+def plot_demo(result: DemoResult, path: str | Path) -> None:
+    """Write a PNG of ``kvtier demo``: time to first token per turn with and without
+    kvtier, above the prompt tokens each tier supplied (and those computed)."""
+    plt = pyplot()
+    turns = result.turns
+    x = range(len(turns))
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7), dpi=110, sharex=True)
+    try:
+        top.plot(
+            x, [t.ttft_recompute * 1e3 for t in turns], "o-", color="#868e96", label="recompute"
+        )
+        top.plot(x, [t.ttft_kvtier * 1e3 for t in turns], "o-", color="#2b8a3e", label="kvtier")
+        top.set_ylabel("time to first token (ms)")
+        top.set_title("kvtier demo: multi-turn chat on a random-weight Llama")
+        top.legend()
+        base = [0] * len(turns)
+        for tier in [*result.tiers, "computed"]:
+            values = [
+                t.computed_tokens if tier == "computed" else t.tokens_per_tier.get(tier, 0)
+                for t in turns
+            ]
+            bottom.bar(x, values, bottom=base, label=tier, color=TIER_COLORS.get(tier, "#adb5bd"))
+            base = [b + v for b, v in zip(base, values)]
+        bottom.set_ylabel("prompt tokens")
+        bottom.set_xlabel("request (conversations interleaved, turn by turn)")
+        bottom.legend(ncol=len(result.tiers) + 1)
         fig.tight_layout()
         fig.savefig(path)
     finally:

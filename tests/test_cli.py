@@ -16,19 +16,6 @@ from kvtier.synthetic import serve
 from kvtier.tiers.base import TierUsage
 
 
-def test_demo_serves_through_every_default_tier_and_reports_hits(capsys):
-    assert main(["demo", "--conversations", "16", "--turns", "4"]) == 0
-    out = capsys.readouterr().out
-    assert "tiers gpu, cpu, disk" in out
-    rates = {
-        line.split(":")[0].strip(): float(line.split(":")[1].split("%")[0])
-        for line in out.splitlines()
-        if line.strip().startswith(("gpu:", "cpu:", "disk:"))
-    }
-    assert rates["gpu"] > 0 and rates["cpu"] > 0 and rates["disk"] > 0
-    assert "matched a recompute bit for bit" in out
-
-
 def test_a_bad_config_is_reported_with_its_key_and_exit_code_2(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("tiers:\n  disk:\n    chunk_blocks: 0\n")
