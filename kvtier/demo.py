@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import random
 import statistics
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -96,21 +97,40 @@ def build_model(seed: int = 0, device: torch.device | str = "cpu") -> LlamaForCa
     return LlamaForCausalLM(DEMO_MODEL).to(device).eval()
 
 
+class Chat:
+    """The demo's workload as token ids: ``requests()`` yields ``(conversation, turn,
+    prompt)`` turn by turn with the conversations interleaved; ``reply`` adds the
+    answer to a prompt to its conversation before the next prompt is made. Ids start
+    at 3 (0-2 are unk, bos and eos in ``kvtier.integrations.vllm_engine``'s tokenizer)."""
+
+    def __init__(self, shape: ChatShape, vocab_size: int, seed: int = 0) -> None:
+        self.shape = shape
+        self._rng = random.Random(seed)
+        self._vocab = vocab_size
+        system = self._text(shape.system_tokens)
+        self._history = [list(system) for _ in range(shape.conversations)]
+
+    def __len__(self) -> int:
+        return self.shape.conversations * self.shape.turns
+
+    def requests(self) -> Iterator[tuple[int, int, list[int]]]:
+        for turn in range(self.shape.turns):
+            for conv in range(self.shape.conversations):
+                yield conv, turn, self._history[conv] + self._text(self.shape.user_tokens)
+
+    def reply(self, conversation: int, prompt: list[int], tokens: list[int]) -> None:
+        self._history[conversation] = prompt + tokens
+
+    def _text(self, n: int) -> list[int]:
+        return [self._rng.randrange(3, self._vocab) for _ in range(n)]
+
+
 def serve_chat(lm: CachedLM, shape: ChatShape, seed: int = 0) -> DemoResult:
     """Serve the chat through ``lm`` and recompute every turn; the per-turn record."""
-    rng = random.Random(seed)
-    vocab = lm.model.config.vocab_size
-
-    def text(n: int) -> list[int]:
-        return [rng.randrange(vocab) for _ in range(n)]
-
-    system = text(shape.system_tokens)
-    history = [list(system) for _ in range(shape.conversations)]
-    order = [(t, c) for t in range(shape.turns) for c in range(shape.conversations)]
     result = DemoResult(lm.model_id, [])
-    recompute(lm.model, text(64), 2)  # warm-up, so that the first turn is not timed cold
-    for turn, conv in progress(order, desc="serving"):
-        prompt = history[conv] + text(shape.user_tokens)
+    recompute(lm.model, list(range(3, 67)), 2)  # warm-up: the first turn is not timed cold
+    chat = Chat(shape, lm.model.config.vocab_size, seed)
+    for conv, turn, prompt in progress(chat.requests(), len(chat), desc="serving"):
         got = lm.generate(prompt, shape.reply_tokens)
         base = recompute(lm.model, prompt, shape.reply_tokens)
         per_tier = got.hit.tokens_per_tier() if got.cached_tokens else {}
@@ -126,7 +146,7 @@ def serve_chat(lm: CachedLM, shape: ChatShape, seed: int = 0) -> DemoResult:
                 got.tokens == base.tokens,
             )
         )
-        history[conv] = prompt + got.tokens
+        chat.reply(conv, prompt, got.tokens)
     stats = lm.cache.stats()
     result.tiers = list(stats.tiers)
     result.bytes_moved = {

@@ -12,14 +12,17 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import VOCAB, run_engine
+from conftest import VOCAB
 from redis_servers import delete_prefix, unique_prefix
 
 from kvtier.tiers.lmdb import LMDBTier
 
+vllm_engine = pytest.importorskip("kvtier.integrations.vllm_engine")
+EngineReport, EngineSpec = vllm_engine.EngineReport, vllm_engine.EngineSpec
+
 pytestmark = pytest.mark.vllm
 
-BLOCK = 32  # tokens per vLLM block (engine_proc.BLOCK_SIZE)
+BLOCK = vllm_engine.BLOCK_SIZE
 HOST_4_BLOCKS = "64KiB"  # the tiny model's blocks are 16 KiB
 
 
@@ -32,14 +35,12 @@ PROMPT = _tokens(300, seed=1)  # 9 full blocks and a partial one
 SIBLING = PROMPT[: 6 * BLOCK] + _tokens(100, seed=2)  # shares PROMPT's first 6 blocks
 
 
-def _spec(model: str, prompts: list[list[int]], kvtier: dict | None) -> dict:
-    return {
-        "model": model,
-        "prompts": prompts,
-        "max_tokens": 8,
-        "kvtier": kvtier,
-        "reset_between": True,
-    }
+def _spec(model: str, prompts: list[list[int]], kvtier: dict | None) -> EngineSpec:
+    return EngineSpec(model, prompts, max_tokens=8, kvtier=kvtier, reset_between=True)
+
+
+def run_engine(workdir: Path, spec: EngineSpec) -> EngineReport:
+    return vllm_engine.run_engine(spec, workdir, timeout=280)
 
 
 def _disk_config(path: Path, host: str) -> dict:
@@ -59,9 +60,9 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def reference(tiny_model: str, workdir: Path) -> dict[str, list[int]]:
     """Output tokens of each prompt from an engine without the connector."""
-    report = run_engine(workdir, "reference", _spec(tiny_model, [PROMPT, SIBLING], None))
-    first, second = report["results"]
-    return {"prompt": first["tokens"], "sibling": second["tokens"]}
+    report = run_engine(workdir, _spec(tiny_model, [PROMPT, SIBLING], None))
+    first, second = report.requests
+    return {"prompt": first.tokens, "sibling": second.tokens}
 
 
 @pytest.fixture(scope="module")
@@ -69,35 +70,35 @@ def disk_writer(tiny_model: str, workdir: Path) -> tuple[Path, dict]:
     """An engine with a 4-block host pool over a disk tier that serves PROMPT twice."""
     disk = workdir / "lmdb"
     spec = _spec(tiny_model, [PROMPT, PROMPT], _disk_config(disk, HOST_4_BLOCKS))
-    return disk, run_engine(workdir, "disk-writer", spec)
+    return disk, run_engine(workdir, spec)
 
 
 def test_blocks_spilled_from_a_small_host_pool_come_back_exact(disk_writer, reference):
     _, report = disk_writer
-    first, second = report["results"]
-    assert first["num_cached_tokens"] == 0
-    assert report["tiers"]["cpu"]["evictions"] > 0
-    assert report["tiers"]["disk"]["blocks_in"] > 0
-    assert report["tiers"]["disk"]["blocks_out"] > 0
-    assert second["num_cached_tokens"] >= 4 * BLOCK
-    assert report["load_errors"] == 0
-    assert first["tokens"] == second["tokens"] == reference["prompt"]
+    first, second = report.requests
+    assert first.num_cached_tokens == 0
+    assert report.tiers["cpu"]["evictions"] > 0
+    assert report.tiers["disk"]["blocks_in"] > 0
+    assert report.tiers["disk"]["blocks_out"] > 0
+    assert second.num_cached_tokens >= 4 * BLOCK
+    assert report.load_errors == 0
+    assert first.tokens == second.tokens == reference["prompt"]
 
 
 def test_second_engine_process_loads_the_prefix_from_disk(
     tiny_model, workdir, disk_writer, reference
 ):
     disk, _ = disk_writer
-    report = run_engine(
-        workdir, "disk-reader", _spec(tiny_model, [PROMPT, SIBLING], _disk_config(disk, "1MiB"))
-    )
-    prompt, sibling = report["results"]
-    assert prompt["num_cached_tokens"] > 0
-    assert report["tiers"]["disk"]["blocks_out"] * BLOCK == prompt["num_cached_tokens"]
-    assert sibling["num_cached_tokens"] == 6 * BLOCK  # from the host pool it filled
-    assert report["load_errors"] == 0
-    assert prompt["tokens"] == reference["prompt"]
-    assert sibling["tokens"] == reference["sibling"]
+    report = run_engine(workdir, _spec(tiny_model, [PROMPT, SIBLING], _disk_config(disk, "1MiB")))
+    prompt, sibling = report.requests
+    assert prompt.num_cached_tokens > 0
+    assert report.tiers["disk"]["blocks_out"] * BLOCK == prompt.num_cached_tokens
+    assert sibling.num_cached_tokens == 6 * BLOCK  # from the host pool it filled
+    assert prompt.blocks_per_tier == {"disk": prompt.num_cached_tokens // BLOCK}
+    assert sibling.blocks_per_tier == {"cpu": 6}
+    assert report.load_errors == 0
+    assert prompt.tokens == reference["prompt"]
+    assert sibling.tokens == reference["sibling"]
 
 
 def test_engines_sharing_only_redis_share_the_prefix(tiny_model, workdir, reference, real_client):
@@ -109,16 +110,16 @@ def test_engines_sharing_only_redis_share_the_prefix(tiny_model, workdir, refere
         }
     }
     try:
-        writer = run_engine(workdir, "redis-writer", _spec(tiny_model, [PROMPT], config))
-        reader = run_engine(workdir, "redis-reader", _spec(tiny_model, [PROMPT], config))
+        writer = run_engine(workdir, _spec(tiny_model, [PROMPT], config))
+        reader = run_engine(workdir, _spec(tiny_model, [PROMPT], config))
     finally:
         delete_prefix(real_client, prefix)
-    assert writer["tiers"]["redis"]["blocks_in"] >= 8  # write-through: every full chunk
-    (result,) = reader["results"]
-    assert result["num_cached_tokens"] == 8 * BLOCK  # 4 whole chunks of 2 blocks
-    assert reader["tiers"]["redis"]["blocks_out"] == 8
-    assert reader["load_errors"] == 0
-    assert result["tokens"] == reference["prompt"]
+    assert writer.tiers["redis"]["blocks_in"] >= 8  # write-through: every full chunk
+    (result,) = reader.requests
+    assert result.num_cached_tokens == 8 * BLOCK  # 4 whole chunks of 2 blocks
+    assert reader.tiers["redis"]["blocks_out"] == 8
+    assert reader.load_errors == 0
+    assert result.tokens == reference["prompt"]
 
 
 def test_a_corrupted_value_is_a_load_error_and_vllm_recomputes(
@@ -136,11 +137,9 @@ def test_a_corrupted_value_is_a_load_error_and_vllm_recomputes(
         tier.put_many([(k, v[:-1] + bytes([v[-1] ^ 0xFF])) for k, v in values.items()])
     finally:
         tier.close()
-    report = run_engine(
-        workdir, "corrupt-reader", _spec(tiny_model, [PROMPT], _disk_config(corrupt, "1MiB"))
-    )
-    (result,) = report["results"]
-    assert report["load_errors"] > 0
-    assert report["tiers"]["disk"]["rejected"] > 0
-    assert report["tiers"]["disk"]["blocks_out"] == 0
-    assert result["tokens"] == reference["prompt"]
+    report = run_engine(workdir, _spec(tiny_model, [PROMPT], _disk_config(corrupt, "1MiB")))
+    (result,) = report.requests
+    assert report.load_errors > 0
+    assert report.tiers["disk"]["rejected"] > 0
+    assert report.tiers["disk"]["blocks_out"] == 0
+    assert result.tokens == reference["prompt"]

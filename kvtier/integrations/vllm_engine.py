@@ -1,0 +1,210 @@
+"""One vLLM engine serving token-id prompts, with or without kvtier's connector.
+
+The end-to-end tests, ``benchmarks/bench_vllm_ttft.py``, ``examples/vllm_offline.py``
+and ``kvtier demo --engine vllm`` all drive vLLM through this module:
+
+    report = run_engine(EngineSpec(model_dir, prompts=[...], kvtier={...}), workdir)
+
+Every engine runs in a process of its own (``python -m kvtier.integrations.vllm_engine
+SPEC.json OUT.json``): vLLM keeps process-wide state (its distributed environment,
+the connector group), and two engines that share nothing but a disk or Redis tier is
+exactly what a second process shows. The engine runs its worker in its own process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), which the connector needs anyway.
+
+Per request the report gives the output tokens (greedy), vLLM's ``num_cached_tokens``
+(its own prefix cache plus what the connector loaded), the time to first token as
+vLLM measured it, and the blocks each kvtier tier supplied; with the connector also
+the blocks reported as failed loads and kvtier's per-tier counters at the end.
+
+No model hub: ``save_model`` writes a seeded random Llama and a word-level tokenizer
+(token ``i`` is the word ``w<i>``) to a directory vLLM loads like any checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from transformers import LlamaConfig
+
+from kvtier.demo import Chat, ChatShape
+
+BLOCK_SIZE = 32  # tokens per vLLM block (on CPU a multiple of 32)
+
+
+def save_model(
+    path: str | Path, config: LlamaConfig, dtype: str = "bfloat16", seed: int = 0
+) -> str:
+    """Write a Llama of ``config`` with seeded random weights, and a word-level tokenizer
+    over its vocabulary, to ``path``; returns ``path`` as a string."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(path)
+    vocab = {f"w{i}": i for i in range(config.vocab_size)}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=words, unk_token="w0", bos_token="w1", eos_token="w2"
+    )
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@dataclass
+class EngineSpec:
+    """What one engine process does: ``prompts`` one after the other, or a ``chat``
+    (conversations taking turns, each turn's prompt the conversation so far plus a new
+    message, the engine's own reply joining it). ``kvtier`` is a kvtier config document
+    (None: no connector). ``reset_between`` drops vLLM's own prefix cache before every
+    request, so that a hit can only come from kvtier."""
+
+    model: str
+    prompts: list[list[int]] = field(default_factory=list)
+    chat: ChatShape | None = None
+    max_tokens: int = 8
+    kvtier: dict[str, Any] | None = None
+    reset_between: bool = False
+    dtype: str = "bfloat16"
+    max_model_len: int | None = None  # None: the model's own
+    seed: int = 0
+
+
+@dataclass
+class RequestReport:
+    """One request as the engine served it."""
+
+    prompt_tokens: int
+    tokens: list[int]
+    num_cached_tokens: int
+    ttft: float
+    blocks_per_tier: dict[str, int] = field(default_factory=dict)  # kvtier tiers only
+
+
+@dataclass
+class EngineReport:
+    """Every request, and with the connector its failed-load count and tier counters."""
+
+    requests: list[RequestReport]
+    load_errors: int = 0
+    tiers: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+def run_engine(spec: EngineSpec, workdir: str | Path, timeout: float = 600) -> EngineReport:
+    """Run ``spec`` in a new process and return its report; ``RuntimeError`` with the
+    end of the engine's stderr when it fails."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(suffix=".json", prefix="engine-spec-", dir=workdir)
+    with os.fdopen(fd, "w") as f:
+        json.dump(asdict(spec), f)
+    spec_path, out_path = Path(name), Path(name.replace("engine-spec-", "engine-out-"))
+    # vLLM's default sha256 block hashes are stable anyway; a pinned seed keeps any
+    # Python-hash-dependent choice equal across the processes being compared.
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    proc = subprocess.run(
+        [sys.executable, "-m", __name__, str(spec_path), str(out_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"vLLM engine failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
+    data = json.loads(out_path.read_text())
+    data["requests"] = [RequestReport(**r) for r in data["requests"]]
+    return EngineReport(**data)
+
+
+def _serve(spec: EngineSpec) -> EngineReport:
+    """Run ``spec`` in this process (the engine process's body)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm.inputs import TokensPrompt
+
+    transfer = None
+    if spec.kvtier is not None:
+        transfer = KVTransferConfig(
+            kv_connector="KVTierConnector",
+            kv_connector_module_path="kvtier.integrations.vllm",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"kvtier": spec.kvtier},
+        )
+    llm = LLM(
+        model=spec.model,
+        block_size=BLOCK_SIZE,
+        max_model_len=spec.max_model_len,
+        dtype=spec.dtype,
+        enforce_eager=True,
+        seed=spec.seed,
+        kv_transfer_config=transfer,
+        disable_log_stats=False,  # per-request metrics: the time to first token
+    )
+    connector = get_kv_transfer_group() if transfer is not None else None
+    params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0)
+    report = EngineReport([])
+
+    def serve(prompt: list[int]) -> list[int]:
+        if spec.reset_between:
+            assert llm.reset_prefix_cache()
+        before = _blocks_out(connector)
+        (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+        after = _blocks_out(connector)
+        tokens = list(out.outputs[0].token_ids)
+        report.requests.append(
+            RequestReport(
+                len(prompt),
+                tokens,
+                out.num_cached_tokens,
+                out.metrics.first_token_latency,
+                {t: n - before.get(t, 0) for t, n in after.items() if n > before.get(t, 0)},
+            )
+        )
+        return tokens
+
+    for prompt in spec.prompts:
+        serve(prompt)
+    if spec.chat is not None:
+        chat = Chat(spec.chat, llm.llm_engine.model_config.get_vocab_size(), spec.seed)
+        for conv, _, prompt in chat.requests():
+            chat.reply(conv, prompt, serve(prompt))
+    if connector is not None:
+        connector.cache.flush()
+        report.load_errors = connector.num_load_errors
+        report.tiers = {
+            name: {k: v for k, v in dataclasses.asdict(s).items() if isinstance(v, int)}
+            for name, s in connector.cache.stats().tiers.items()
+        }
+    return report
+
+
+def _blocks_out(connector: Any) -> dict[str, int]:
+    """Blocks each kvtier tier has handed up so far (none without a connector)."""
+    if connector is None:
+        return {}
+    return {name: s.blocks_out for name, s in connector.cache.stats().tiers.items()}
+
+
+def main(spec_path: str, out_path: str) -> None:
+    data = json.loads(Path(spec_path).read_text())
+    if data.get("chat") is not None:
+        data["chat"] = ChatShape(**data["chat"])
+    report = _serve(EngineSpec(**data))
+    Path(out_path).write_text(json.dumps(asdict(report)))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
