@@ -204,6 +204,7 @@ class RedisTier(SpillTier):
             socket_timeout=cfg.socket_timeout,
             socket_connect_timeout=cfg.connect_timeout,
             socket_keepalive=True,
+            socket_read_size=1 << 20,
             retry_on_timeout=False,
             max_connections=cfg.max_connections,
             connection_pool_class=BlockingConnectionPool,
