@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -259,6 +260,12 @@ class KVTierConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(requests whose delayed free may happen now, requests whose async load is over,
         failed or not: its failed blocks are in ``get_block_ids_with_load_errors``)."""
+        if self._async_loads:
+            # vLLM calls this every step, and steps back to back while a request waits
+            # for its load; the loads run on Python threads that need the GIL between
+            # their reads. Yield it here, or each of their turns waits for the
+            # interpreter's switch interval (5 ms) and a load of a few MiB takes ~1 s.
+            time.sleep(0)
         recving = set(self._collect_loads())
         engine = self.engine
         with _engines_lock:
