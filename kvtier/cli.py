@@ -50,7 +50,7 @@ def _open_cache(config: KVTierConfig, args: argparse.Namespace) -> Iterator[Tier
 
 def demo(args: argparse.Namespace) -> int:
     """Serve a multi-turn chat on a real (random-weight) Llama through every configured
-    tier; compare each turn with a recompute."""
+    tier; compare each turn with a recompute (transformers) or with vLLM alone."""
     try:
         from kvtier import demo as hf_demo
     except ImportError as e:
@@ -58,6 +58,14 @@ def demo(args: argparse.Namespace) -> int:
             f"kvtier demo needs transformers ({e}): pip install 'kvtier[hf]'"
         ) from None
     shape = hf_demo.ChatShape(args.conversations, args.turns)
+    if args.engine == "vllm":
+        try:
+            import vllm  # noqa: F401 - only to say what is missing before any work
+        except ImportError:
+            raise UsageError("kvtier demo --engine vllm needs vLLM: pip install vllm") from None
+        from kvtier.integrations import vllm_demo
+
+        return vllm_demo.run(args.config, shape, args.json, args.plot)
     with _scratch_config(_config(args.config), args) as config:
         return hf_demo.run(config, shape, args.device, args.json, args.plot)
 
@@ -207,6 +215,12 @@ def build_parser() -> argparse.ArgumentParser:
         "demo", help="a Llama serving a multi-turn chat through every tier, vs recompute"
     )
     p.add_argument("--config", help="YAML config (default: the embedded default)")
+    p.add_argument(
+        "--engine",
+        choices=["hf", "vllm"],
+        default="hf",
+        help="transformers on kvtier's native API (default), or vLLM with kvtier's connector",
+    )
     p.add_argument("--conversations", type=_positive_int, default=4)
     p.add_argument("--turns", type=_positive_int, default=6)
     p.add_argument("--device", help="torch device of the model and the GPU tier (default: cpu)")

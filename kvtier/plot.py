@@ -90,7 +90,7 @@ def plot_demo(result: DemoResult, path: str | Path) -> None:
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7), dpi=110, sharex=True)
     try:
         top.plot(
-            x, [t.ttft_recompute * 1e3 for t in turns], "o-", color="#868e96", label="recompute"
+            x, [t.ttft_recompute * 1e3 for t in turns], "o-", color="#868e96", label=result.baseline
         )
         top.plot(x, [t.ttft_kvtier * 1e3 for t in turns], "o-", color="#2b8a3e", label="kvtier")
         top.set_ylabel("time to first token (ms)")

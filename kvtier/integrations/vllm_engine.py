@@ -76,6 +76,7 @@ class EngineSpec:
     reset_between: bool = False
     dtype: str = "bfloat16"
     max_model_len: int | None = None  # None: the model's own
+    num_blocks: int | None = None  # vLLM's own KV blocks (None: as many as fit)
     seed: int = 0
 
 
@@ -147,6 +148,7 @@ def _serve(spec: EngineSpec) -> EngineReport:
         model=spec.model,
         block_size=BLOCK_SIZE,
         max_model_len=spec.max_model_len,
+        num_gpu_blocks_override=spec.num_blocks,
         dtype=spec.dtype,
         enforce_eager=True,
         seed=spec.seed,
