@@ -11,8 +11,15 @@ from kvtier.replay import ReplayResult
 if TYPE_CHECKING:  # the demo needs transformers; plotting a result of it does not
     from kvtier.demo import DemoResult
 
-# Tier colours, fixed so that every plot reads the same way.
-TIER_COLORS = {"gpu": "#2b8a3e", "cpu": "#1971c2", "disk": "#e8590c", "redis": "#c2255c"}
+# Tier colours, fixed so that every plot reads the same way ("vllm": vLLM's own pool,
+# the GPU tier of connector mode).
+TIER_COLORS = {
+    "gpu": "#2b8a3e",
+    "vllm": "#2b8a3e",
+    "cpu": "#1971c2",
+    "disk": "#e8590c",
+    "redis": "#c2255c",
+}
 
 
 class PlotUnavailable(RuntimeError):
