@@ -388,11 +388,18 @@ class ConnectorCache:
         if self.spill:
             self.spill.flush()
 
+    def wait_loads(self) -> None:
+        """Wait until the spill reads (and their copies up) of every started load are
+        over; ``finished_loads`` then reports them (host-only loads are copies that ``load``
+        itself ran or queued)."""
+        with self._lock:
+            reading = [p for p in self._loads.values() if p.runs and p.started]
+        for p in reading:
+            p.finished.wait()
+
     def close(self) -> None:
         """Finish loads, copies and writes in flight, then close the tiers."""
-        for p in list(self._loads.values()):
-            if p.runs and p.started:
-                p.finished.wait()
+        self.wait_loads()
         self.finished_loads()
         self.flush()
         self.transfer.close()

@@ -183,7 +183,8 @@ class KVTierConnector(KVConnectorBase_V1):
         self._requests: dict[str, _RequestState] = {}
         self._loads: list[LoadSpec] = []
         # Worker side.
-        self._async_loads: set[str] = set()
+        self._async_loads: set[str] = set()  # started, not yet over
+        self._recving: set[str] = set()  # async loads over, not yet told to vLLM
         self._load_errors: set[int] = set()
         self.num_load_errors = 0  # blocks reported to vLLM as not loaded, in all
         self._failed_now: set[str] = set()  # requests whose sync load failed this step
@@ -266,7 +267,8 @@ class KVTierConnector(KVConnectorBase_V1):
             # their reads. Yield it here, or each of their turns waits for the
             # interpreter's switch interval (5 ms) and a load of a few MiB takes ~1 s.
             time.sleep(0)
-        recving = set(self._collect_loads())
+        self._collect_loads()
+        recving, self._recving = self._recving, set()
         engine = self.engine
         with _engines_lock:
             # request_finished ran (and decided) before vLLM passes an id in here.
@@ -288,19 +290,18 @@ class KVTierConnector(KVConnectorBase_V1):
                 _engines.pop(self._engine_id, None)
             self._engine.cache.close()
 
-    def _collect_loads(self) -> list[str]:
-        """Async loads that are over. Failed blocks of every finished load go to
+    def _collect_loads(self) -> None:
+        """Settle the loads that are over: async ones go to ``_recving`` (for the next
+        ``get_finished``, whichever call collected them), failed blocks of every one to
         ``get_block_ids_with_load_errors``; a failed sync load's request is not saved."""
-        done = []
         for req_id, failed in self.cache.finished_loads():
             self._load_errors.update(failed)
             self.num_load_errors += len(failed)
             if req_id in self._async_loads:
                 self._async_loads.discard(req_id)
-                done.append(req_id)
+                self._recving.add(req_id)
             elif failed:
                 self._failed_now.add(req_id)
-        return done
 
     # ============================================================ scheduler side
     def on_new_request(self, request: Request) -> None:
