@@ -287,16 +287,17 @@ put(HashIndex *ix, uint64_t i, const Key *key, int64_t value)
     ix->size++;
 }
 
-/* The table, on transparent huge pages where the kernel allows it: a probe lands on
- * a random slot, and with 4 KiB pages a table of a million blocks (48 MiB) misses the
- * TLB on almost every one (measured: a 1M-block prefix lookup 1.6x slower than a
- * 10k-block one on 4 KiB pages, 1.1x on huge pages). */
-static Entry *
-alloc_table(size_t nbytes)
+/* Memory on transparent huge pages where the kernel allows it (the HashIndex table and
+ * the BlockTable arrays): a probe lands on a random slot, and with 4 KiB pages a table
+ * of a million blocks (48 MiB) misses the TLB on almost every one (measured: a
+ * 1M-block prefix lookup 1.6x slower than a 10k-block one on 4 KiB pages, 1.1x on huge
+ * pages). Freed with free(). */
+static void *
+alloc_huge(size_t nbytes)
 {
     int huge = nbytes >= HUGE_PAGE_NBYTES;
     void *p = NULL;
-    if (posix_memalign(&p, huge ? HUGE_PAGE_NBYTES : 64, nbytes) != 0)
+    if (posix_memalign(&p, huge ? HUGE_PAGE_NBYTES : 64, nbytes ? nbytes : 1) != 0)
         return NULL;
 #ifdef MADV_HUGEPAGE
     if (huge)
@@ -323,7 +324,7 @@ HashIndex_init(HashIndex *self, PyObject *args, PyObject *kwds)
         slots <<= 1;
         bits++;
     }
-    Entry *table = alloc_table(sizeof(Entry) * slots);
+    Entry *table = alloc_huge(sizeof(Entry) * slots);
     if (table == NULL) {
         PyErr_NoMemory();
         return -1;
@@ -615,6 +616,782 @@ static PyTypeObject HashIndexType = {
     .tp_as_sequence = &HashIndex_as_sequence,
 };
 
+/* ------------------------------------------------------------------ BlockTable */
+
+/* The per-block state of a pool (block_pool.py): ref counts, each block's hash, parent
+ * hash and chain position, the LRU ring of cached free blocks and the stack of empty
+ * ones, with the hash -> block map (a HashIndex) kept in step. It is in C because
+ * every pool operation touches a few words per block: in numpy each such step is a
+ * call of about a microsecond, which a request of a few blocks pays many times over.
+ *
+ * The LRU ring holds block ids in eviction order with lazy deletion: the entry at
+ * ring position p for block b is live only while qpos[b] == p. A touch only clears
+ * qpos[b]; a free appends at the tail; an allocation takes live entries from the
+ * head. The ring has 2 * n entries and is compacted when its end is reached, so a
+ * compaction frees at least n entries (amortised O(1) per block). A ring, not a
+ * linked list: evicting walks it sequentially, where a list chases one pointer (one
+ * cache miss in a large pool) per block. */
+
+typedef struct {
+    PyObject_HEAD
+    HashIndex *index;
+    Py_ssize_t n;
+    int64_t *ref;            /* references; 0: free */
+    int64_t *pos;            /* chain position of the hash the block holds; -1: none */
+    unsigned char *hash;     /* n x 16 bytes, valid where pos >= 0 */
+    unsigned char *parent;   /* n x 16 bytes, valid where pos >= 0 */
+    int64_t *qpos;           /* ring position of a queued block; -1: not queued */
+    int64_t *ring;           /* 2 * n */
+    Py_ssize_t head, tail, num_lru;
+    int64_t *empty;          /* stack of empty free blocks */
+    Py_ssize_t num_empty;
+    int in_hook;             /* allocate is calling on_evict: no change allowed */
+} BlockTable;
+
+/* The words of block b that the batch loops touch, fetched ahead: in a large pool each
+ * is a cache miss, and a loop that waits for them one block at a time costs several
+ * times what it does in a pool that fits in the cache. A macro for the reason given at
+ * PREFETCH_AHEAD_OF. */
+#define PREFETCH_BLOCK(t, b)                                 \
+    do {                                                     \
+        __builtin_prefetch(&(t)->ref[(b)], 1);               \
+        __builtin_prefetch(&(t)->pos[(b)], 1);               \
+        __builtin_prefetch(&(t)->qpos[(b)], 1);              \
+        __builtin_prefetch(&(t)->hash[(b) * KEY_NBYTES], 1);   \
+        __builtin_prefetch(&(t)->parent[(b) * KEY_NBYTES], 1); \
+    } while (0)
+
+/* A sequence of block ids as a malloc'd int64 array (caller frees with PyMem_Free),
+ * each checked to be in [0, n). */
+static Py_ssize_t
+parse_ids(const BlockTable *t, PyObject *obj, int64_t **out)
+{
+    PyObject *seq = PySequence_Fast(obj, "block ids must be a sequence of ints");
+    if (seq == NULL)
+        return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    int64_t *ids = PyMem_Malloc(sizeof(int64_t) * (n ? n : 1));
+    if (ids == NULL) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return -1;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t b = PyLong_AsSsize_t(items[i]);
+        if (b == -1 && PyErr_Occurred())
+            goto fail;
+        if (b < 0 || b >= t->n) {
+            PyErr_Format(PyExc_IndexError, "block id %zd out of range [0, %zd)", b, t->n);
+            goto fail;
+        }
+        ids[i] = b;
+    }
+    Py_DECREF(seq);
+    *out = ids;
+    return n;
+fail:
+    PyMem_Free(ids);
+    Py_DECREF(seq);
+    return -1;
+}
+
+static PyObject *
+id_list(const int64_t *ids, Py_ssize_t n)
+{
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        PyObject *v = PyLong_FromLongLong(ids[i]);
+        if (v == NULL)
+            Py_CLEAR(out);
+        else
+            PyList_SET_ITEM(out, i, v);
+    }
+    return out;
+}
+
+static inline Key
+stored_key(const HashIndex *ix, const unsigned char *h)
+{
+    Key k;
+    memcpy(&k.k0, h, 8);
+    memcpy(&k.k1, h + 8, 8);
+    k.home = home_slot(ix, k.k0, k.k1);
+    return k;
+}
+
+static int
+BlockTable_init(BlockTable *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"num_blocks", NULL};
+    Py_ssize_t n;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "n:BlockTable", kwlist, &n))
+        return -1;
+    if (n <= 0 || n > ((Py_ssize_t)1 << 40)) {
+        PyErr_Format(PyExc_ValueError, "num_blocks must be in [1, 2**40], got %zd", n);
+        return -1;
+    }
+    if (self->index != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "BlockTable is already initialised");
+        return -1;
+    }
+    self->index = (HashIndex *)PyObject_CallFunction((PyObject *)&HashIndexType, "n", n);
+    if (self->index == NULL)
+        return -1;
+    self->n = n;
+    self->ref = alloc_huge(n * sizeof(int64_t));
+    self->pos = alloc_huge(n * sizeof(int64_t));
+    self->hash = alloc_huge(n * KEY_NBYTES);
+    self->parent = alloc_huge(n * KEY_NBYTES);
+    self->qpos = alloc_huge(n * sizeof(int64_t));
+    self->ring = alloc_huge(2 * n * sizeof(int64_t));
+    self->empty = alloc_huge(n * sizeof(int64_t));
+    if (!self->ref || !self->pos || !self->hash || !self->parent || !self->qpos ||
+        !self->ring || !self->empty) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t b = 0; b < n; b++) {
+        self->ref[b] = 0;
+        self->pos[b] = -1;
+        self->qpos[b] = -1;
+        self->empty[b] = n - 1 - b; /* popped from the top: block 0 first */
+    }
+    self->num_empty = n;
+    self->head = self->tail = self->num_lru = 0;
+    return 0;
+}
+
+static void
+BlockTable_dealloc(BlockTable *self)
+{
+    Py_XDECREF(self->index);
+    free(self->ref);
+    free(self->pos);
+    free(self->hash);
+    free(self->parent);
+    free(self->qpos);
+    free(self->ring);
+    free(self->empty);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int
+table_ready(const BlockTable *self)
+{
+    if (self->index == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "BlockTable was not initialised");
+        return -1;
+    }
+    return 0;
+}
+
+/* Changes wait until allocate's eviction hook has returned: allocate has chosen its
+ * victims and commits them afterwards, so a change made by the hook would be lost. */
+static int
+table_mutable(const BlockTable *self)
+{
+    if (table_ready(self) < 0)
+        return -1;
+    if (self->in_hook) {
+        PyErr_SetString(PyExc_RuntimeError, "a pool cannot change inside its eviction hook");
+        return -1;
+    }
+    return 0;
+}
+
+/* Move the live ring entries to the front, in order. */
+static void
+compact(BlockTable *t)
+{
+    Py_ssize_t w = 0;
+    for (Py_ssize_t p = t->head; p < t->tail; p++) {
+        int64_t b = t->ring[p];
+        if (t->qpos[b] == p) {
+            t->ring[w] = b;
+            t->qpos[b] = w++;
+        }
+    }
+    t->head = 0;
+    t->tail = w;
+}
+
+static void
+push_lru(BlockTable *t, int64_t b)
+{
+    if (t->tail == 2 * t->n)
+        compact(t); /* at most n live entries: room for n more */
+    t->ring[t->tail] = b;
+    t->qpos[b] = t->tail++;
+    t->num_lru++;
+}
+
+PyDoc_STRVAR(touch_doc,
+"touch(ids) -> None: take a reference on each block; a cached free block leaves the\n"
+"LRU queue. ValueError, changing nothing, for a free block that holds no hash.");
+
+static PyObject *
+BlockTable_touch(BlockTable *self, PyObject *obj)
+{
+    int64_t *ids;
+    if (table_mutable(self) < 0)
+        return NULL;
+    Py_ssize_t n = parse_ids(self, obj, &ids);
+    if (n < 0)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + PREFETCH_AHEAD < n)
+            PREFETCH_BLOCK(self, ids[i + PREFETCH_AHEAD]);
+        if (self->ref[ids[i]] == 0 && self->qpos[ids[i]] < 0) {
+            PyErr_Format(PyExc_ValueError, "block %lld is empty: only cached blocks are hit",
+                         (long long)ids[i]);
+            PyMem_Free(ids);
+            return NULL;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t b = ids[i];
+        if (self->ref[b]++ == 0) {
+            self->qpos[b] = -1; /* its ring entry becomes stale */
+            self->num_lru--;
+        }
+    }
+    PyMem_Free(ids);
+    Py_RETURN_NONE;
+}
+
+/* The victims' (ids, hashes, positions, parents) as four lists. */
+static PyObject *
+chain_info(const BlockTable *t, const int64_t *ids, Py_ssize_t n)
+{
+    PyObject *hashes = PyList_New(n), *positions = PyList_New(n), *parents = PyList_New(n);
+    PyObject *blocks = id_list(ids, n), *result = NULL;
+    if (hashes == NULL || positions == NULL || parents == NULL || blocks == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t b = ids[i];
+        PyObject *h = PyBytes_FromStringAndSize((const char *)t->hash + b * KEY_NBYTES, KEY_NBYTES);
+        PyObject *p = PyBytes_FromStringAndSize((const char *)t->parent + b * KEY_NBYTES, KEY_NBYTES);
+        PyObject *q = PyLong_FromLongLong(t->pos[b]);
+        if (h == NULL || p == NULL || q == NULL) {
+            Py_XDECREF(h);
+            Py_XDECREF(p);
+            Py_XDECREF(q);
+            goto done;
+        }
+        PyList_SET_ITEM(hashes, i, h);
+        PyList_SET_ITEM(parents, i, p);
+        PyList_SET_ITEM(positions, i, q);
+    }
+    result = PyTuple_Pack(4, blocks, hashes, positions, parents);
+done:
+    Py_XDECREF(blocks);
+    Py_XDECREF(hashes);
+    Py_XDECREF(positions);
+    Py_XDECREF(parents);
+    return result;
+}
+
+PyDoc_STRVAR(allocate_doc,
+"allocate(n, on_evict) -> list[int]\n\n"
+"``n`` blocks with ref 1: empty blocks first, then the least recently used cached\n"
+"ones, which are evicted. Before anything changes, ``on_evict(ids, hashes,\n"
+"positions, parents)`` (if not None) sees the victims, in eviction order; if it\n"
+"raises, nothing changes. ValueError, changing nothing, when fewer than n are free.");
+
+static PyObject *
+BlockTable_allocate(BlockTable *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "allocate takes 2 arguments, got %zd", nargs);
+        return NULL;
+    }
+    if (table_mutable(self) < 0)
+        return NULL;
+    Py_ssize_t n = PyLong_AsSsize_t(args[0]);
+    PyObject *hook = args[1];
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    if (n < 0 || n > self->num_empty + self->num_lru) {
+        PyErr_Format(PyExc_ValueError, "cannot allocate %zd blocks, %zd free", n,
+                     self->num_empty + self->num_lru);
+        return NULL;
+    }
+    if (hook != Py_None && !PyCallable_Check(hook)) {
+        PyErr_SetString(PyExc_TypeError, "on_evict must be None or a callable");
+        return NULL;
+    }
+    int64_t *out = PyMem_Malloc(sizeof(int64_t) * (n ? n : 1));
+    if (out == NULL)
+        return PyErr_NoMemory();
+    Py_ssize_t k = n < self->num_empty ? n : self->num_empty;
+    for (Py_ssize_t i = 0; i < k; i++)
+        out[i] = self->empty[self->num_empty - 1 - i];
+    /* Find the victims without dequeuing them: the hook may still fail. */
+    Py_ssize_t v = k, p = self->head;
+    for (; v < n; p++) {
+        if (p + PREFETCH_AHEAD < self->tail)
+            __builtin_prefetch(&self->qpos[self->ring[p + PREFETCH_AHEAD]]);
+        int64_t b = self->ring[p];
+        if (self->qpos[b] == p)
+            out[v++] = b;
+    }
+    int64_t *victims = out + k;
+    Py_ssize_t nv = v - k;
+    Key *keys = PyMem_Malloc(sizeof(Key) * (nv ? nv : 1));
+    if (keys == NULL) {
+        PyMem_Free(out);
+        return PyErr_NoMemory();
+    }
+    HashIndex *ix = self->index;
+    for (Py_ssize_t i = 0; i < nv; i++) {
+        if (i + PREFETCH_AHEAD < nv)
+            PREFETCH_BLOCK(self, victims[i + PREFETCH_AHEAD]);
+        keys[i] = stored_key(ix, self->hash + victims[i] * KEY_NBYTES);
+    }
+    if (nv && hook != Py_None) {
+        PyObject *info = chain_info(self, victims, nv);
+        self->in_hook = 1;
+        PyObject *res = info ? PyObject_Call(hook, info, NULL) : NULL;
+        self->in_hook = 0;
+        Py_XDECREF(info);
+        if (res == NULL) {
+            PyMem_Free(keys);
+            PyMem_Free(out);
+            return NULL;
+        }
+        Py_DECREF(res);
+    }
+    /* Commit: the victims leave the ring and drop their hashes. */
+    self->num_empty -= k;
+    self->head = nv ? p : self->head;
+    self->num_lru -= nv;
+    for (Py_ssize_t i = 0; i < nv; i++) {
+        int found;
+        PREFETCH_AHEAD_OF(ix, keys, i, nv);
+        uint64_t s = probe(ix, &keys[i], &found);
+        if (found) /* always: the table and its index change together */
+            erase_slot(ix, s);
+        self->qpos[victims[i]] = -1;
+        self->pos[victims[i]] = -1;
+    }
+    PyMem_Free(keys);
+    for (Py_ssize_t i = 0; i < n; i++)
+        self->ref[out[i]] = 1;
+    PyObject *result = id_list(out, n);
+    PyMem_Free(out);
+    return result;
+}
+
+PyDoc_STRVAR(publish_doc,
+"publish(ids, hashes, positions, parents) -> int\n\n"
+"Make in-use blocks that hold no hash hittable: ``ids[i]`` holds ``hashes[i]`` at\n"
+"chain position ``positions[i]`` after ``parents[i]``. A hash another block holds\n"
+"stays there (first writer wins) and that block stays unhashed. Returns how many\n"
+"were published. ValueError (TypeError for a wrong type), changing nothing, for\n"
+"lists of different lengths, a free or already hashed or repeated block, a negative\n"
+"position, or a hash that is not 16 bytes.");
+
+static PyObject *
+BlockTable_publish(BlockTable *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "publish takes 4 arguments, got %zd", nargs);
+        return NULL;
+    }
+    if (table_mutable(self) < 0)
+        return NULL;
+    int64_t *ids = NULL;
+    Key *keys = NULL, *pkeys = NULL;
+    PyObject *hseq = NULL, *pseq = NULL, *posseq = NULL, *result = NULL;
+    int64_t *pos = NULL;
+    Py_ssize_t n = parse_ids(self, args[0], &ids);
+    if (n < 0)
+        return NULL;
+    if (parse_keys(self->index, args[1], &hseq, &keys) < 0 ||
+        parse_keys(self->index, args[3], &pseq, &pkeys) < 0)
+        goto done;
+    posseq = PySequence_Fast(args[2], "positions must be a sequence of ints");
+    if (posseq == NULL)
+        goto done;
+    if (PySequence_Fast_GET_SIZE(hseq) != n || PySequence_Fast_GET_SIZE(pseq) != n ||
+        PySequence_Fast_GET_SIZE(posseq) != n) {
+        PyErr_SetString(PyExc_ValueError,
+                        "publish needs as many hashes, positions and parents as blocks");
+        goto done;
+    }
+    pos = PyMem_Malloc(sizeof(int64_t) * (n ? n : 1));
+    if (pos == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        pos[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(posseq, i));
+        if (pos[i] == -1 && PyErr_Occurred())
+            goto done;
+        if (pos[i] < 0) {
+            PyErr_Format(PyExc_ValueError, "chain positions must be >= 0, got %lld",
+                         (long long)pos[i]);
+            goto done;
+        }
+    }
+    /* Every block in use, unhashed, and given once: marked -2 while checking. */
+    Py_ssize_t bad = -1;
+    for (Py_ssize_t i = 0; i < n && bad < 0; i++) {
+        if (i + PREFETCH_AHEAD < n)
+            PREFETCH_BLOCK(self, ids[i + PREFETCH_AHEAD]);
+        if (self->ref[ids[i]] <= 0 || self->pos[ids[i]] != -1)
+            bad = i;
+        else
+            self->pos[ids[i]] = -2;
+    }
+    for (Py_ssize_t i = 0; i < (bad < 0 ? n : bad); i++)
+        self->pos[ids[i]] = -1;
+    if (bad >= 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "publish needs in-use blocks that hold no hash, each once; block %lld",
+                     (long long)ids[bad]);
+        goto done;
+    }
+    Py_ssize_t published = 0;
+    HashIndex *ix = self->index;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int found;
+        PREFETCH_AHEAD_OF(ix, keys, i, n);
+        uint64_t s = probe(ix, &keys[i], &found);
+        if (found)
+            continue; /* another block holds it: this one stays unhashed */
+        put(ix, s, &keys[i], ids[i]);
+        int64_t b = ids[i];
+        memcpy(self->hash + b * KEY_NBYTES, &keys[i].k0, 8);
+        memcpy(self->hash + b * KEY_NBYTES + 8, &keys[i].k1, 8);
+        memcpy(self->parent + b * KEY_NBYTES, &pkeys[i].k0, 8);
+        memcpy(self->parent + b * KEY_NBYTES + 8, &pkeys[i].k1, 8);
+        self->pos[b] = pos[i];
+        published++;
+    }
+    result = PyLong_FromSsize_t(published);
+done:
+    PyMem_Free(ids);
+    PyMem_Free(keys);
+    PyMem_Free(pkeys);
+    PyMem_Free(pos);
+    Py_XDECREF(hseq);
+    Py_XDECREF(pseq);
+    Py_XDECREF(posseq);
+    return result;
+}
+
+PyDoc_STRVAR(free_doc,
+"free(ids) -> None: drop one reference from each of a request's blocks (in request\n"
+"order). Those reaching 0 are queued last block first: cached ones at the LRU tail\n"
+"(a chain's suffix is evicted before its prefix), empty ones on the empty stack.\n"
+"ValueError, changing nothing, if a block would drop below 0.");
+
+static PyObject *
+BlockTable_free(BlockTable *self, PyObject *obj)
+{
+    int64_t *ids;
+    if (table_mutable(self) < 0)
+        return NULL;
+    Py_ssize_t n = parse_ids(self, obj, &ids);
+    if (n < 0)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + PREFETCH_AHEAD < n)
+            PREFETCH_BLOCK(self, ids[i + PREFETCH_AHEAD]);
+        if (--self->ref[ids[i]] < 0) { /* undo: a block given more times than held */
+            for (Py_ssize_t j = i; j >= 0; j--)
+                self->ref[ids[j]]++;
+            PyErr_Format(PyExc_ValueError, "block %lld is freed more often than it is held",
+                         (long long)ids[i]);
+            PyMem_Free(ids);
+            return NULL;
+        }
+    }
+    Py_ssize_t first_empty = self->num_empty;
+    for (Py_ssize_t i = n - 1; i >= 0; i--) {
+        int64_t b = ids[i];
+        if (self->ref[b] != 0 || self->qpos[b] != -1)
+            continue; /* still held, or queued by a repeat of it later in ids */
+        if (self->pos[b] >= 0) {
+            push_lru(self, b);
+        }
+        else {
+            self->empty[self->num_empty++] = b;
+            self->qpos[b] = -2; /* marks it stacked until this loop ends */
+        }
+    }
+    for (Py_ssize_t i = first_empty; i < self->num_empty; i++)
+        self->qpos[self->empty[i]] = -1;
+    PyMem_Free(ids);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(holds_doc,
+"holds(ids, hashes) -> bool: whether each ``ids[i]`` holds ``hashes[i]`` (a hit is not\n"
+"stale). ValueError if the lengths differ.");
+
+static PyObject *
+BlockTable_holds(BlockTable *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "holds takes 2 arguments, got %zd", nargs);
+        return NULL;
+    }
+    if (table_ready(self) < 0)
+        return NULL;
+    int64_t *ids;
+    PyObject *seq;
+    Key *keys;
+    Py_ssize_t n = parse_ids(self, args[0], &ids);
+    if (n < 0)
+        return NULL;
+    if (parse_keys(self->index, args[1], &seq, &keys) < 0) {
+        PyMem_Free(ids);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (PySequence_Fast_GET_SIZE(seq) != n) {
+        PyErr_Format(PyExc_ValueError, "%zd blocks but %zd hashes", n,
+                     PySequence_Fast_GET_SIZE(seq));
+    }
+    else {
+        int all = 1;
+        for (Py_ssize_t i = 0; i < n && all; i++) {
+            const unsigned char *h = self->hash + ids[i] * KEY_NBYTES;
+            all = self->pos[ids[i]] >= 0 && memcmp(h, &keys[i].k0, 8) == 0 &&
+                  memcmp(h + 8, &keys[i].k1, 8) == 0;
+        }
+        result = PyBool_FromLong(all);
+    }
+    PyMem_Free(ids);
+    PyMem_Free(keys);
+    Py_DECREF(seq);
+    return result;
+}
+
+PyDoc_STRVAR(num_queued_doc,
+"num_queued(ids) -> int: how many of ``ids`` are free (ref 0): touching them uses\n"
+"free space.");
+
+static PyObject *
+BlockTable_num_queued(BlockTable *self, PyObject *obj)
+{
+    int64_t *ids;
+    if (table_ready(self) < 0)
+        return NULL;
+    Py_ssize_t n = parse_ids(self, obj, &ids), count = 0;
+    if (n < 0)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++)
+        count += self->ref[ids[i]] == 0;
+    PyMem_Free(ids);
+    return PyLong_FromSsize_t(count);
+}
+
+PyDoc_STRVAR(cached_doc,
+"cached(ids) -> (ids, hashes, positions, parents): the blocks among ``ids`` that hold\n"
+"a hash, in the given order, with their hashes, chain positions and parent hashes.");
+
+static PyObject *
+BlockTable_cached(BlockTable *self, PyObject *obj)
+{
+    int64_t *ids;
+    if (table_ready(self) < 0)
+        return NULL;
+    Py_ssize_t n = parse_ids(self, obj, &ids), k = 0;
+    if (n < 0)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (self->pos[ids[i]] >= 0)
+            ids[k++] = ids[i];
+    PyObject *result = chain_info(self, ids, k);
+    PyMem_Free(ids);
+    return result;
+}
+
+PyDoc_STRVAR(walk_back_doc,
+"walk_back(last, count) -> (list[int], bytes | None)\n\n"
+"The blocks of the ``count`` chain positions ending at hash ``last``, oldest first,\n"
+"following parent hashes: ``(blocks, None)`` when all are held here, else\n"
+"``([], missing)`` with the first hash (walking back) that is not.");
+
+static PyObject *
+BlockTable_walk_back(BlockTable *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "walk_back takes 2 arguments, got %zd", nargs);
+        return NULL;
+    }
+    if (table_ready(self) < 0)
+        return NULL;
+    Key key;
+    if (parse_key(self->index, args[0], &key) < 0)
+        return NULL;
+    Py_ssize_t count = PyLong_AsSsize_t(args[1]);
+    if (count == -1 && PyErr_Occurred())
+        return NULL;
+    if (count < 0 || count > self->n) {
+        PyErr_Format(PyExc_ValueError, "count must be in [0, %zd], got %zd", self->n, count);
+        return NULL;
+    }
+    int64_t *out = PyMem_Malloc(sizeof(int64_t) * (count ? count : 1));
+    if (out == NULL)
+        return PyErr_NoMemory();
+    for (Py_ssize_t i = count - 1; i >= 0; i--) {
+        int found;
+        uint64_t s = probe(self->index, &key, &found);
+        if (!found) {
+            char h[KEY_NBYTES];
+            memcpy(h, &key.k0, 8);
+            memcpy(h + 8, &key.k1, 8);
+            PyMem_Free(out);
+            return Py_BuildValue("([]y#)", h, (Py_ssize_t)KEY_NBYTES);
+        }
+        out[i] = self->index->table[s].value;
+        key = stored_key(self->index, self->parent + out[i] * KEY_NBYTES);
+    }
+    PyObject *blocks = id_list(out, count);
+    PyMem_Free(out);
+    if (blocks == NULL)
+        return NULL;
+    PyObject *result = PyTuple_Pack(2, blocks, Py_None);
+    Py_DECREF(blocks);
+    return result;
+}
+
+PyDoc_STRVAR(lru_order_doc,
+"lru_order() -> list[int]: the cached free blocks in eviction order (O(ring)).");
+
+static PyObject *
+BlockTable_lru_order(BlockTable *self, PyObject *Py_UNUSED(ignored))
+{
+    if (table_ready(self) < 0)
+        return NULL;
+    PyObject *out = PyList_New(0);
+    for (Py_ssize_t p = self->head; out != NULL && p < self->tail; p++) {
+        int64_t b = self->ring[p];
+        if (self->qpos[b] != p)
+            continue;
+        PyObject *v = PyLong_FromLongLong(b);
+        if (v == NULL || PyList_Append(out, v) < 0)
+            Py_CLEAR(out);
+        Py_XDECREF(v);
+    }
+    return out;
+}
+
+PyDoc_STRVAR(empty_blocks_doc,
+"empty_blocks() -> list[int]: the empty free blocks, the next to be allocated last.");
+
+static PyObject *
+BlockTable_empty_blocks(BlockTable *self, PyObject *Py_UNUSED(ignored))
+{
+    if (table_ready(self) < 0)
+        return NULL;
+    return id_list(self->empty, self->num_empty);
+}
+
+PyDoc_STRVAR(refs_doc, "refs() -> list[int]: the reference count of every block.");
+
+static PyObject *
+BlockTable_refs(BlockTable *self, PyObject *Py_UNUSED(ignored))
+{
+    if (table_ready(self) < 0)
+        return NULL;
+    return id_list(self->ref, self->n);
+}
+
+PyDoc_STRVAR(reset_doc,
+"reset() -> bool: forget every hash and queue every block as empty; False, changing\n"
+"nothing, while any block is in use.");
+
+static PyObject *
+BlockTable_reset(BlockTable *self, PyObject *Py_UNUSED(ignored))
+{
+    if (table_mutable(self) < 0)
+        return NULL;
+    if (self->num_empty + self->num_lru != self->n)
+        Py_RETURN_FALSE;
+    PyObject *r = HashIndex_clear(self->index, NULL);
+    if (r == NULL)
+        return NULL;
+    Py_DECREF(r);
+    for (Py_ssize_t b = 0; b < self->n; b++) {
+        self->pos[b] = -1;
+        self->qpos[b] = -1;
+        self->empty[b] = self->n - 1 - b;
+    }
+    self->num_empty = self->n;
+    self->head = self->tail = self->num_lru = 0;
+    Py_RETURN_TRUE;
+}
+
+static PyObject *
+BlockTable_get_index(BlockTable *self, void *Py_UNUSED(closure))
+{
+    if (table_ready(self) < 0)
+        return NULL;
+    return Py_NewRef(self->index);
+}
+
+static PyObject *
+BlockTable_get_num_free(BlockTable *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromSsize_t(self->num_empty + self->num_lru);
+}
+
+static PyObject *
+BlockTable_get_num_empty(BlockTable *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromSsize_t(self->num_empty);
+}
+
+static PyMethodDef BlockTable_methods[] = {
+    {"touch", (PyCFunction)BlockTable_touch, METH_O, touch_doc},
+    {"allocate", (PyCFunction)(void (*)(void))BlockTable_allocate, METH_FASTCALL, allocate_doc},
+    {"publish", (PyCFunction)(void (*)(void))BlockTable_publish, METH_FASTCALL, publish_doc},
+    {"free", (PyCFunction)BlockTable_free, METH_O, free_doc},
+    {"holds", (PyCFunction)(void (*)(void))BlockTable_holds, METH_FASTCALL, holds_doc},
+    {"num_queued", (PyCFunction)BlockTable_num_queued, METH_O, num_queued_doc},
+    {"cached", (PyCFunction)BlockTable_cached, METH_O, cached_doc},
+    {"walk_back", (PyCFunction)(void (*)(void))BlockTable_walk_back, METH_FASTCALL,
+     walk_back_doc},
+    {"lru_order", (PyCFunction)BlockTable_lru_order, METH_NOARGS, lru_order_doc},
+    {"empty_blocks", (PyCFunction)BlockTable_empty_blocks, METH_NOARGS, empty_blocks_doc},
+    {"refs", (PyCFunction)BlockTable_refs, METH_NOARGS, refs_doc},
+    {"reset", (PyCFunction)BlockTable_reset, METH_NOARGS, reset_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef BlockTable_getset[] = {
+    {"index", (getter)BlockTable_get_index, NULL, "the HashIndex of the held hashes", NULL},
+    {"num_free", (getter)BlockTable_get_num_free, NULL, "empty plus cached free blocks", NULL},
+    {"num_empty", (getter)BlockTable_get_num_empty, NULL, "free blocks holding no hash", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+PyDoc_STRVAR(BlockTable_doc,
+"BlockTable(num_blocks)\n\n"
+"The per-block state of a pool: ref counts; each block's hash, parent hash and chain\n"
+"position; an LRU queue of cached free blocks and a stack of empty ones; and\n"
+"``index``, the HashIndex of held hashes, kept in step. Every method checks its input\n"
+"before it changes anything. Not thread-safe; every method runs with the GIL held.");
+
+static PyTypeObject BlockTableType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvtier._core.BlockTable",
+    .tp_basicsize = sizeof(BlockTable),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = BlockTable_doc,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)BlockTable_init,
+    .tp_dealloc = (destructor)BlockTable_dealloc,
+    .tp_methods = BlockTable_methods,
+    .tp_getset = BlockTable_getset,
+};
+
 /* ------------------------------------------------------------------ module */
 
 static PyMethodDef core_methods[] = {
@@ -633,12 +1410,13 @@ static struct PyModuleDef core_module = {
 PyMODINIT_FUNC
 PyInit__core(void)
 {
-    if (PyType_Ready(&HashIndexType) < 0)
+    if (PyType_Ready(&HashIndexType) < 0 || PyType_Ready(&BlockTableType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&core_module);
     if (m == NULL)
         return NULL;
-    if (PyModule_AddObjectRef(m, "HashIndex", (PyObject *)&HashIndexType) < 0) {
+    if (PyModule_AddObjectRef(m, "HashIndex", (PyObject *)&HashIndexType) < 0 ||
+        PyModule_AddObjectRef(m, "BlockTable", (PyObject *)&BlockTableType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -307,7 +307,7 @@ class PoolMachine(RuleBasedStateMachine):
             lru, ref = list(m.lru), list(m.ref)
             with pytest.raises(StaleHitError):
                 self.bm.allocate(rid, len(prompt) - len(hit) * BS, hit)
-            assert self.pool.lru_order() == lru and self.pool._ref.tolist() == ref
+            assert self.pool.lru_order() == lru and self.pool.ref_counts() == ref
             assert self.bm.free(rid) is True
             event("stale hit")
             return
@@ -365,26 +365,27 @@ class PoolMachine(RuleBasedStateMachine):
     def pool_matches_model(self) -> None:
         pool, m = self.pool, self.model
         pool.check_invariants()
-        ref = pool._ref.tolist()
+        ref = pool.ref_counts()
         # 1. free + used == total
         assert pool.num_free + sum(r > 0 for r in ref) == pool.num_blocks
         assert pool.num_free == m.num_free
         assert ref == m.ref
         # 2. no block both queued and referenced
         lru = pool.lru_order()
-        empty = pool._empty[: pool._num_empty].tolist()
+        empty = pool.empty_blocks()
         assert all(ref[b] == 0 for b in lru + empty)
         assert len(set(lru) | set(empty)) == len(lru) + len(empty)
         # 5. the LRU queue, in eviction order
         assert lru == m.lru, f"LRU order {lru}, model {m.lru}"
         assert set(empty) == m.empty
         # 3. every cached hash maps to a block holding it; same set as the model
-        for h, b in pool._cached.items():
-            assert pool._hash[b] == h
-        assert dict(pool._cached.items()) == {chain_hash(k): b for k, b in m.cached.items()}
-        for b in range(pool.num_blocks):
-            k = m.key[b]
-            assert pool._hash[b] == (None if k is None else chain_hash(k))
+        held = pool.cached_blocks(range(pool.num_blocks))
+        assert dict(zip(held.hashes, held.block_ids)) == {
+            chain_hash(k): b for k, b in m.cached.items()
+        }
+        assert {b: h for b, h in zip(held.block_ids, held.hashes)} == {
+            b: chain_hash(k) for b, k in enumerate(m.key) if k is not None
+        }
         # requests
         assert not self.evicted, "eviction outside an allocation"
         for rid, req in self.live.items():
