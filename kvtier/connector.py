@@ -196,11 +196,13 @@ class ConnectorCache:
             raise ConfigError("tiers.cpu", None, "a cpu section: connector mode stages in it")
         if layout.block_numel != len(kv.layers) * kv.block_numel or layout.dtype != kv.dtype:
             raise ValueError(f"layout {layout.describe()} does not match the engine's KV")
-        hashing = config.hashing
-        self.root = namespace_root(root_name, layout.fingerprint, hashing.salt, hashing.algorithm)
-        self._digest = get_digest(hashing.algorithm)
+        self._hashing = config.hashing
+        self._digest = get_digest(config.hashing.algorithm)
         self.kv = kv
         self.layout = layout
+        self._root_name = root_name
+        self._resets = 0
+        self.root = self._namespace_root()
         self.block_size = layout.block_size
         self.host = HostPool.with_capacity(cpu.capacity, layout, cpu.pin_memory)
         self._host_view = kv.host_view(self.host.slab)
@@ -363,6 +365,18 @@ class ConnectorCache:
                 )
             self._stats["cpu"].dropped += len(todo)
 
+    def reset(self) -> None:
+        """Forget every block stored so far, as new model weights need: keys move to a
+        new namespace (``root``; call ``keys`` again), so nothing stored before, in the
+        host pool or in the spill tiers, is ever found again through this cache. The
+        spill tiers are shared with other engines and keep their values (to age out);
+        the host pool drops its blocks now unless a load or copy holds some (then they
+        age out too)."""
+        with self._lock:
+            self._resets += 1
+            self.root = self._namespace_root()
+            self.host.reset()
+
     def saving(self, req_id: str) -> bool:
         """True while a save of ``req_id``'s blocks is still copying."""
         with self._lock:
@@ -408,6 +422,13 @@ class ConnectorCache:
         self.host.close()
 
     # ------------------------------------------------------------------ internals
+    def _namespace_root(self) -> bytes:
+        """The root of every key: ``root_name`` (with the reset count after a reset),
+        the layout's fingerprint and the config's salt."""
+        name = f"{self._root_name}#reset{self._resets}" if self._resets else self._root_name
+        h = self._hashing
+        return namespace_root(name, self.layout.fingerprint, h.salt, h.algorithm)
+
     def _copy(
         self, fn, stream: torch.cuda.Stream | None, n: int, after: torch.cuda.Event | None = None
     ) -> Transfer:

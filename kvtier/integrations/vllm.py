@@ -125,6 +125,7 @@ class _RequestState:
     num_saved: int = 0  # leading blocks handed to the worker to save
     hit: ConnectorHit | None = None  # the last lookup's answer, until it is pinned
     loaded: dict[str, int] = field(default_factory=dict)  # blocks per tier being loaded
+    saves: bool = True  # False once reset_cache ran: its KV may be the old weights'
 
 
 def load_connector_config(extra: dict[str, Any]) -> KVTierConfig:
@@ -353,7 +354,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self._loads = []
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(req_id)
-            if state is None:
+            if state is None or not state.saves:
                 continue
             request = state.request
             full = min(
@@ -388,6 +389,18 @@ class KVTierConnector(KVConnectorBase_V1):
             if delay:
                 engine.delayed.add(request.request_id)
         return delay, None
+
+    def reset_cache(self) -> bool:
+        """Forget everything kvtier stored for this engine (vLLM's
+        ``reset_prefix_cache(reset_connector=True)``, e.g. after a weight update): keys
+        move to a new namespace (``ConnectorCache.reset``), and requests alive now are
+        never saved again, since their KV may have been computed with the old weights."""
+        self.cache.reset()
+        for state in self._requests.values():
+            state.keys.clear()
+            state.hit = None
+            state.saves = False
+        return True
 
     # ------------------------------------------------------------------ helpers
     def _state(self, request: Request) -> _RequestState:

@@ -25,9 +25,8 @@ NUM_BLOCKS = 8
 LAYERS = 2
 
 
-def _connector(model: str, kvtier: dict, engine_id: str) -> KVTierConnector:
-    """A worker-side connector over 2 layers of ``NUM_BLOCKS`` random KV blocks."""
-    vllm_config = VllmConfig(
+def _vllm_config(model: str, kvtier: dict, engine_id: str) -> VllmConfig:
+    return VllmConfig(
         model_config=ModelConfig(model=model, dtype="bfloat16"),
         cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
         kv_transfer_config=KVTransferConfig(
@@ -38,6 +37,11 @@ def _connector(model: str, kvtier: dict, engine_id: str) -> KVTierConnector:
             kv_connector_extra_config={"kvtier": kvtier},
         ),
     )
+
+
+def _connector(model: str, kvtier: dict, engine_id: str) -> KVTierConnector:
+    """A worker-side connector over 2 layers of ``NUM_BLOCKS`` random KV blocks."""
+    vllm_config = _vllm_config(model, kvtier, engine_id)
     connector = KVTierConnector(vllm_config, KVConnectorRole.WORKER, None)
     # vLLM's CPU view of a layer: [blocks, kv_heads, block_size, 2 * head_size]
     connector.register_kv_caches(
@@ -49,6 +53,17 @@ def _connector(model: str, kvtier: dict, engine_id: str) -> KVTierConnector:
         }
     )
     return connector
+
+
+def _disk_config(tmp_path: Path) -> dict:
+    """A host pool over a write-through disk tier of 2-block chunks."""
+    return {
+        "tiers": {
+            "cpu": {"capacity": "1MiB"},
+            "disk": {"path": str(tmp_path / "lmdb"), "capacity": "64MiB", "chunk_blocks": 2,
+                     "write_policy": "write_through"},
+        }
+    }  # fmt: skip
 
 
 def _step(connector: KVTierConnector, loads: list[LoadSpec]) -> None:
@@ -66,13 +81,7 @@ def _blocks(connector: KVTierConnector, ids: list[int]) -> list[torch.Tensor]:
 def test_an_async_load_over_before_a_sync_load_starts_is_still_reported_finished(
     tiny_model: str, tmp_path: Path
 ) -> None:
-    kvtier = {
-        "tiers": {
-            "cpu": {"capacity": "1MiB"},
-            "disk": {"path": str(tmp_path / "lmdb"), "capacity": "64MiB", "chunk_blocks": 2,
-                     "write_policy": "write_through"},
-        }
-    }  # fmt: skip
+    kvtier = _disk_config(tmp_path)
     on_disk = [bytes([1, i]) * 16 for i in range(2)]  # vLLM block hashes of one chain
     in_host = [bytes([2, 0]) * 16]  # another chain's first block
     writer = _connector(tiny_model, kvtier, "writer")
@@ -101,3 +110,28 @@ def test_an_async_load_over_before_a_sync_load_starts_is_still_reported_finished
     for got, want in zip(_blocks(reader, [2, 3]), written, strict=True):
         assert torch.equal(got, want)
     reader.shutdown()
+
+
+def test_reset_cache_leaves_nothing_stored_before_it_to_be_found(
+    tiny_model: str, tmp_path: Path
+) -> None:
+    kvtier = _disk_config(tmp_path)
+    worker = _connector(tiny_model, kvtier, "reset")
+    scheduler = KVTierConnector(
+        _vllm_config(tiny_model, kvtier, "reset"), KVConnectorRole.SCHEDULER, None
+    )
+    cache = worker.cache
+    hashes = [bytes([3, i]) * 16 for i in range(2)]
+    before = cache.keys(hashes)
+    cache.save("old", [0, 1], before, cache.root, 0)
+    cache.flush()
+    assert cache.lookup(before, 0).blocks_per_tier() == {"cpu": 2}
+
+    assert scheduler.reset_cache()
+    after = cache.keys(hashes)
+    assert cache.lookup(after, 0).num_blocks == 0
+    # The disk is shared with other engines: it keeps their keys' values.
+    assert cache.lookup(before, 0).blocks_per_tier() == {"disk": 2}
+    cache.save("new", [0, 1], after, cache.root, 0)
+    assert cache.lookup(after, 0).blocks_per_tier() == {"cpu": 2}
+    worker.shutdown()
