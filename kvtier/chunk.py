@@ -1,7 +1,8 @@
 """Chunk values: the format every spill tier (LMDB, Redis) stores, and its checks.
 
-A chunk is blocks ``[k*C, k*C+n)`` of one chain (``1 <= n <= C``, ``C`` the tier's
-``chunk_blocks``), stored under the 16-byte chained hash of its last block. Its value
+A chunk is a run of blocks ``[s, s+n)`` of one chain inside one aligned chunk
+``[k*C, (k+1)*C)`` (``C`` the tier's ``chunk_blocks``; usually ``s = k*C``, see
+``kvtier.spill``), stored under the 16-byte chained hash of its last block. Its value
 is one contiguous buffer::
 
     MAGIC (4 bytes, b"KVT\\x01") | uint32 LE header length H (1 <= H <= 1024)

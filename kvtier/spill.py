@@ -1,19 +1,25 @@
 """Moving chunks between the host pool and the spill tiers (disk, Redis).
 
-A spill tier stores *chunks*: blocks ``[k*C, k*C + n)`` of one chain (``C`` = that
-tier's ``chunk_blocks``), keyed by the hash of the chunk's last block.
+A spill tier stores *chunks*: runs of consecutive blocks ``[s, e]`` of one chain
+inside one aligned chunk ``[k*C, (k+1)*C)`` (``C`` = that tier's ``chunk_blocks``),
+keyed by the hash of the run's last block ``e``; the value's header records ``s``.
+Usually ``s = k*C``; a run starts later when the blocks before it were not in the
+host pool when it was written (typically still on the GPU: the GPU evicts a chain
+tail first, so a chunk's tail can reach the host, and leave it, before its head).
+The head is written later as a run of its own, ending just before the tail.
 
 Write path. Chunks are built from host slots by walking parent hashes back from a
-chunk's last block to its aligned start, encoded (one gather into the value) while
-the slots are still valid, and written by an I/O worker:
+run's last block, encoded (one gather into the value) while the slots are still
+valid, and written by an I/O worker:
 
 - ``write_back`` tiers: when the host pool evicts slots, the first ``write_back``
-  tier in spill order receives each victim's chunk (the blocks from the chunk's
-  start up to the victim; one value per chunk however many of its blocks go).
+  tier in spill order receives each victim's run: the blocks from the victim back to
+  its chunk's aligned start or to the first block the host pool does not hold (one
+  value per chunk however many of its blocks go).
 - ``write_through`` tiers: a chunk is written as soon as all its ``C`` blocks are in
   the host pool (so other instances sharing the tier see it early), and again offered
-  when its blocks are evicted, with the partial chunks (so a write that failed during
-  an outage gets another chance; the existence check skips what is there). Blocks
+  when its blocks are evicted, as the runs above (so a write that failed during an
+  outage gets another chance; the size check below skips what is there). Blocks
   usually reach the host tail first, so a chunk whose tail arrived before its head is
   remembered under the hash it was missing and completed when that block arrives.
 - cascade: a tier that evicts values to make room (LMDB) passes them to the next tier
@@ -24,13 +30,19 @@ Each hook call (an eviction, a publish) makes one write per tier, whatever the n
 of chunks, and encodes each chunk once however many tiers of its size take it.
 Writes are queued to I/O workers with a bound on the bytes in flight; past it, a
 write is dropped and counted (the tier is not keeping up). A tier never gets a chunk
-it already holds (one existence check per batch first).
+it already holds: one batched size query (``sizes_many``) first, and a value is
+written only where the tier holds nothing, or less (a shorter run ending at the same
+block, which the longer one replaces).
 
-Read path. ``lookup`` asks each tier in order, with one batched existence check,
-for the chunks that continue the prefix the tiers above it hold; ``load`` (on an I/O
+Read path. ``lookup`` asks each tier in order, with one batched size query, for the
+chunks that continue the prefix the tiers above it hold: a value's size gives its
+run's length, hence its start, so the lookup picks the fewest runs that cover the
+prefix without a gap (greedily, the one reaching furthest). ``load`` (on an I/O
 worker) reads them with one batched get per tier, checks every value
-(``kvtier.chunk``), and scatters the blocks still missing into pinned host slots.
-A value that fails its checks is a miss, is deleted, and is counted.
+(``kvtier.chunk``) and that it holds what the lookup expected, and scatters the
+blocks still missing into pinned host slots. A value that fails its checks is a
+miss, is deleted, and is counted; one that changed since the lookup (rewritten as a
+run that no longer reaches back far enough) is a miss too, and is kept.
 
 Threads: ``lookup`` and ``load`` touch only the tiers, the codec, and host slots pinned
 for them; they may run on any thread (loads run on the transfer engine's workers).
@@ -67,7 +79,8 @@ Encoded = dict[tuple[bytes, int], memoryview]  # values one hook call made, by (
 
 @dataclass(frozen=True)
 class ChunkRef:
-    """One stored chunk: its key, the chain position of its first block, its length."""
+    """One stored chunk (a run inside an aligned chunk): its key, the chain position of
+    its first block, its length."""
 
     key: bytes
     start: int
@@ -95,24 +108,38 @@ class LoadResult:
     read_seconds: dict[str, float] = field(default_factory=dict)  # per tier, its get_many
 
 
-def _extend_prefix(present: Sequence[bool], first: int, start: int, end: int, c: int) -> list:
-    """Chunks (end position, start) continuing a prefix at ``start``; ``present[j - first]``
-    says whether a chunk ending at position j is stored. Stops at the first chunk that
-    is missing or partial."""
-    chunks = []
+def _cover(starts: Sequence[int | None], start: int, end: int, c: int) -> list[tuple[int, int]]:
+    """Runs (first, last position) that cover positions ``[start, ...)`` without a gap;
+    ``starts[j - start]`` is the first position of the run stored under position j
+    (None: nothing stored there), as its value's size says.
+
+    Greedy: at each step the run holding the next position that reaches furthest (it
+    lies in that position's aligned chunk). Where the sizes say no stored run holds
+    the next position but one in its chunk is stored, the furthest one is claimed
+    anyway, from the chunk's start: a size can be a bad value's, which the load then
+    reads, rejects and deletes (a good run that starts later is a miss there, kept).
+    Stops where nothing in the next position's chunk is stored.
+    """
+    runs = []
     pos = start
-    k = start // c
     while pos < end:
-        lo, hi = k * c, min((k + 1) * c, end)
-        last = next((j for j in range(hi - 1, pos - 1, -1) if present[j - first]), None)
-        if last is None:
-            break
-        chunks.append((last, lo))
-        pos = last + 1
-        if last != (k + 1) * c - 1:
-            break
-        k += 1
-    return chunks
+        aligned = pos - pos % c
+        furthest = None
+        for j in range(min(aligned + c, end) - 1, pos - 1, -1):
+            first = starts[j - start]
+            if first is None:
+                continue
+            if first <= pos:
+                runs.append((first, j))
+                break
+            if furthest is None:
+                furthest = j
+        else:
+            if furthest is None:
+                break
+            runs.append((aligned, furthest))
+        pos = runs[-1][1] + 1
+    return runs
 
 
 class SpillManager:
@@ -165,20 +192,20 @@ class SpillManager:
             if start >= end:
                 break
             c = tier.chunk_blocks
-            first = start // c * c
             try:
-                present = tier.contains_many(hashes[first:end])
+                sizes = tier.sizes_many(hashes[start:end])
             except Exception as e:  # any failure of a tier is a miss, never the engine's
                 self._count_error(tier.name, e)
                 continue
-            found = _extend_prefix(present, first, start, end, c)
+            starts = [self._run_start(j, size, c) for j, size in enumerate(sizes, start)]
+            found = _cover(starts, start, end, c)
             stats = self._stats[tier.name]
             with self._lock:
                 stats.misses += end - start
             if not found:
                 continue
-            stop = found[-1][0] + 1
-            chunks = tuple(ChunkRef(hashes[last], lo, last - lo + 1) for last, lo in found)
+            stop = found[-1][1] + 1
+            chunks = tuple(ChunkRef(hashes[last], lo, last - lo + 1) for lo, last in found)
             runs.append(SpillRun(tier.name, start, stop - start, chunks))
             with self._lock:
                 stats.hits += stop - start
@@ -189,8 +216,9 @@ class SpillManager:
     def load(self, runs: Sequence[SpillRun], slots: Sequence[int]) -> LoadResult:
         """Read ``runs`` into ``slots`` (one per run block, in order, pinned by the caller).
 
-        Stops at the first chunk that is missing or bad: the result's ``num_blocks``
-        leading slots hold checked KV, the rest are garbage.
+        Stops at the first chunk that is missing, bad, or no longer reaches back to the
+        blocks it was to supply: the result's ``num_blocks`` leading slots hold checked
+        KV, the rest are garbage.
         """
         result = LoadResult()
         base = runs[0].first_block if runs else 0
@@ -198,27 +226,38 @@ class SpillManager:
         for run in runs:
             tier = by_name[run.tier]
             ok = [False] * len(run.chunks)
+            # Chunk i supplies blocks [lo, hi): from where the one before it ends (the
+            # blocks before are there already), up to its own end or the run's.
+            ends = [c.start + c.num_blocks for c in run.chunks]
+            los = [run.first_block, *ends[:-1]]
 
-            def sink(i: int, value: memoryview, run: SpillRun = run, ok: list = ok) -> None:
+            def sink(
+                i: int,
+                value: memoryview,
+                run: SpillRun = run,
+                ok: list = ok,
+                los: list = los,
+                ends: list = ends,
+            ) -> None:
                 chunk = run.chunks[i]
+                lo, hi = los[i], min(ends[i], run.first_block + run.num_blocks)
                 try:
                     header, payload = self.codec.decode(value, chunk.key)
-                    if (header.first_position, header.num_blocks) != (
-                        chunk.start,
-                        chunk.num_blocks,
-                    ):
+                    first, n = header.first_position, header.num_blocks
+                    if first + n != ends[i]:  # a value ends at its key's block
                         raise BadChunk(
                             "length",
-                            f"chunk holds blocks {header.first_position}+{header.num_blocks}, "
-                            f"expected {chunk.start}+{chunk.num_blocks}",
+                            f"chunk holds blocks {first}+{n}, expected blocks ending at "
+                            f"{ends[i] - 1}",
                         )
                 except BadChunk as e:
                     result.bad.append((run.tier, chunk.key, e.reason))
                     return
-                lo = max(chunk.start, run.first_block)  # blocks above are there already
-                hi = min(chunk.start + chunk.num_blocks, run.first_block + run.num_blocks)
-                target = np.asarray(slots[lo - base : hi - base])
-                self._rows[target] = payload[lo - chunk.start : hi - chunk.start]
+                if first > lo:  # rewritten since the lookup as a shorter run: a miss
+                    return
+                if lo < hi:
+                    target = np.asarray(slots[lo - base : hi - base])
+                    self._rows[target] = payload[lo - first : hi - first]
                 ok[i] = True
 
             try:
@@ -343,8 +382,9 @@ class SpillManager:
         return tail, position - c + 1, slots
 
     def _evicted_chunks(self, tier: SpillTier, victims: CachedBlocks) -> list[Chunk]:
-        """The chunks of ``tier``'s size that hold the victims, each from its aligned start
-        up to its last victim; one whose start is no longer in the host pool is dropped."""
+        """The runs of ``tier``'s chunk size that hold the victims: each from a chunk's
+        last victim back to the chunk's aligned start, or to the first block the host
+        pool does not hold (the run's head, written when it is evicted in turn)."""
         c = tier.chunk_blocks
         covered: set[int] = set()
         chunks = []
@@ -354,15 +394,37 @@ class SpillManager:
             if slot in covered:
                 continue
             p = victims.positions[i]
-            start = p // c * c
-            slots, missing = self.host.walk_back(victims.hashes[i], p - start + 1)
-            if missing is not None:
-                with self._lock:
-                    self._stats[tier.name].dropped += 1
-                continue
+            slots = self._host_run(victims.hashes[i], p % c + 1)
             covered.update(slots)
-            chunks.append((victims.hashes[i], start, slots))
+            chunks.append((victims.hashes[i], p - len(slots) + 1, slots))
         return chunks
+
+    def _host_run(self, last: bytes, count: int) -> list[int]:
+        """Slots of the longest run of at most ``count`` chain blocks ending at ``last``
+        (which the host pool holds) that the host pool holds, oldest first."""
+        slots, missing = self.host.walk_back(last, count)
+        if missing is None:
+            return slots
+        run: list[int] = []
+        h = last
+        while len(run) < count and (slot := self.host.lookup_each([h])[0]) is not None:
+            run.append(slot)
+            h = self.host.cached_blocks([slot]).parents[0]
+        return run[::-1]
+
+    def _run_start(self, last: int, size: int, c: int) -> int | None:
+        """The first position of the run stored under position ``last`` as a value of
+        ``size`` bytes (0: none, None returned). A size that is not a whole number of
+        blocks, or more blocks than reach back to the chunk's start, is no value this
+        codec wrote: it is taken to start at the chunk's start, so that the load reads
+        it, rejects it and deletes it."""
+        if not size:
+            return None
+        aligned = last - last % c
+        n, rest = divmod(size - self.codec.header_nbytes, self.codec.block_nbytes)
+        if rest or not 1 <= n <= last - aligned + 1:
+            return aligned
+        return last - n + 1
 
     def _encode_and_put(self, tier: SpillTier, chunks: list[Chunk], encoded: Encoded) -> None:
         """Encode ``chunks`` (while their slots are valid: under the caller's lock) and queue
@@ -404,19 +466,20 @@ class SpillManager:
     def _put(
         self, tier: SpillTier, items: list[tuple[bytes, memoryview, int]], nbytes: int
     ) -> None:
-        """Store the chunks the tier does not hold yet (runs on an I/O worker)."""
+        """Store the chunks the tier does not hold yet, or holds shorter (a run ending at
+        the same block that starts later: the longer one replaces it). On an I/O worker."""
         try:
-            present = tier.contains_many([key for key, _, _ in items])
-            todo = [item for item, p in zip(items, present) if not p]
+            held = tier.sizes_many([key for key, _, _ in items])
+            todo = [item for item, size in zip(items, held) if size < len(item[1])]
             if not todo:
                 return
             start = time.perf_counter()
             stored = tier.put_many([(key, value) for key, value, _ in todo])
             seconds = time.perf_counter() - start
             if stored < len(todo):  # the tier skipped some (too large for it): which?
-                landed = tier.contains_many([key for key, _, _ in todo])
-                skipped = [item for item, ok in zip(todo, landed) if not ok]
-                todo = [item for item, ok in zip(todo, landed) if ok]
+                landed = tier.sizes_many([key for key, _, _ in todo])
+                skipped = [item for item, size in zip(todo, landed) if size < len(item[1])]
+                todo = [item for item, size in zip(todo, landed) if size >= len(item[1])]
                 with self._lock:
                     self._stats[tier.name].dropped += sum(n for _, _, n in skipped)
             with self._lock:

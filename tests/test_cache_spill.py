@@ -22,6 +22,7 @@ from kvtier.spill import SpillManager
 from kvtier.synthetic import serve
 from kvtier.tiers.lmdb import LMDBTier
 from kvtier.tiers.redis import RedisTier
+from kvtier.workloads import multi_turn_chat
 
 BLOCK_NBYTES = 2 * 2 * 4 * 2 * 8 * 4  # the layout below: 1 KiB per block
 
@@ -118,7 +119,10 @@ def test_each_tier_stores_chunks_of_its_own_size(tmp_path):
     for tier, c in ((disk, 4), (redis, 8)):
         headers = stored_headers(tier, codec)
         assert headers, f"{tier.name} holds no chunk"
-        assert all(h.num_blocks <= c and h.first_position % c == 0 for h in headers)
+        # each value is a run inside one aligned chunk of the tier's size
+        assert all(
+            h.first_position // c == (h.first_position + h.num_blocks - 1) // c for h in headers
+        )
         assert any(h.num_blocks == c for h in headers)
         assert all(h.payload_nbytes == h.num_blocks * cache.layout.block_nbytes for h in headers)
     cache.close()
@@ -262,4 +266,121 @@ def test_tiers_of_one_chunk_size_share_each_encoded_value(tmp_path):
     spill.flush()
     assert codec.encoded == 4
     assert len(list(disk.keys())) == len(list(redis.keys())) == 4
+    spill.close()
+
+
+# --- runs inside a chunk: a chunk's tail may reach the tiers before its head -----------
+
+
+def chat_hits_and_ceilings(cache: TieredCache) -> list[tuple[int, int]]:
+    """Serve a multi-turn chat, every spill write landed before each request; for each
+    request, (blocks hit, blocks an unbounded cache would hit: those committed before)."""
+    committed: set[bytes] = set()
+    out = []
+    for r in multi_turn_chat(4, 5, system_tokens=16, user_tokens=10, reply_tokens=2, seed=3):
+        hashes = cache.manager.hasher.hash_blocks(r.prompt)
+        ceiling = 0
+        while ceiling < (len(r.prompt) - 1) // 4 and hashes[ceiling] in committed:
+            ceiling += 1
+        committed.update(hashes)
+        cache.flush()
+        out.append((serve(cache, r.req_id, r.prompt).hit.num_blocks, ceiling))
+    return out
+
+
+def test_a_chat_finds_every_committed_prefix_though_chunk_tails_spill_before_heads(tmp_path):
+    # The GPU evicts chain tails first, so a chunk's tail reaches the host, and leaves
+    # it, while its head is still on the GPU: the tail is stored as a run of its own.
+    cache, _ = make_cache(tmp_path, gpu=24, host=12)
+    results = chat_hits_and_ceilings(cache)
+    assert cache.stats()["disk"].blocks_out > 0
+    assert cache.stats()["disk"].dropped == 0
+    assert [hit for hit, _ in results] == [ceiling for _, ceiling in results]
+    cache.close()
+
+
+LAYOUT = KVLayout(num_layers=2, kv_factor=2, block_size=4, num_kv_heads=2, head_dim=8,
+                  dtype=torch.float32)  # fmt: skip
+CHAIN = [bytes([i + 1]) * 16 for i in range(8)]  # a chain's block hashes
+ROOT = bytes(16)
+KV = np.random.default_rng(1).integers(0, 256, (len(CHAIN), BLOCK_NBYTES), dtype=np.uint8)
+
+
+def cache_blocks(host: HostPool, positions: range) -> list[int]:
+    """Put chain blocks ``positions`` (KV ``KV[p]``) into the host pool, cached and free."""
+    slots = host.allocate(len(positions))
+    byte_rows(host.slab)[slots] = KV[list(positions)]
+    parents = [CHAIN[p - 1] if p else ROOT for p in positions]
+    host.publish(slots, [CHAIN[p] for p in positions], positions, parents)
+    host.free(slots[::-1])
+    return slots
+
+
+def evict(spill: SpillManager, host: HostPool, slots: list[int]) -> None:
+    """Run the host pool's eviction hook on ``slots`` (tail first) and let writes land."""
+    spill.on_host_evict(host.cached_blocks(slots[::-1]))
+    spill.flush()
+
+
+def load(spill: SpillManager, host: HostPool, upto: int) -> tuple[list, int, np.ndarray]:
+    """Look chain blocks ``[0, upto)`` up below the host pool and load them: (the runs,
+    blocks loaded, their KV)."""
+    runs = spill.lookup(CHAIN[:upto], 0)
+    slots = host.allocate(upto)
+    loaded = spill.load(runs, slots).num_blocks
+    kv = byte_rows(host.slab)[slots[:loaded]].copy()
+    host.free(slots)
+    return runs, loaded, kv
+
+
+def disk_spill(tmp_path: Path) -> tuple[HostPool, SpillManager, LMDBTier]:
+    host = HostPool(8, LAYOUT, pin_memory=False)
+    disk = LMDBTier(tmp_path / "lmdb", 64 << 20, chunk_blocks=4)
+    spill = SpillManager([disk], [], host, write_workers=1, max_pending_bytes=1 << 30)
+    return host, spill, disk
+
+
+def test_a_tail_run_and_the_head_run_written_after_it_load_as_one_chunk(tmp_path):
+    host, spill, disk = disk_spill(tmp_path)
+    evict(spill, host, cache_blocks(host, range(2, 4)))  # blocks 0-1 are not in the host
+    assert host.reset()
+    evict(spill, host, cache_blocks(host, range(0, 2)))
+    headers = sorted((h.first_position, h.num_blocks) for h in stored_headers(disk, spill.codec))
+    assert headers == [(0, 2), (2, 2)]
+    (run,), loaded, kv = load(spill, host, 4)
+    assert [(c.start, c.num_blocks) for c in run.chunks] == [(0, 2), (2, 2)]
+    assert loaded == 4 and np.array_equal(kv, KV[:4])
+    spill.close()
+
+
+def test_lookup_covers_a_prefix_with_the_runs_reaching_furthest(tmp_path):
+    host, spill, _ = disk_spill(tmp_path)
+    for positions in (range(0, 2), range(0, 3), range(2, 4)):  # runs ending at 1, 2 and 3
+        evict(spill, host, cache_blocks(host, positions))
+        assert host.reset()
+    (run,), loaded, kv = load(spill, host, 4)
+    assert [(c.start, c.num_blocks) for c in run.chunks] == [(0, 3), (2, 2)]
+    assert loaded == 4 and np.array_equal(kv, KV[:4])  # block 2 comes from the first run
+    spill.close()
+
+
+def test_a_longer_run_replaces_a_shorter_one_under_the_same_key(tmp_path):
+    host, spill, disk = disk_spill(tmp_path)
+    evict(spill, host, cache_blocks(host, range(2, 4)))
+    assert host.reset()
+    evict(spill, host, cache_blocks(host, range(0, 4)))
+    headers = [(h.first_position, h.num_blocks) for h in stored_headers(disk, spill.codec)]
+    assert headers == [(0, 4)]
+    spill.close()
+
+
+def test_a_run_rewritten_shorter_since_the_lookup_is_a_miss_and_is_kept(tmp_path):
+    host, spill, disk = disk_spill(tmp_path)
+    evict(spill, host, cache_blocks(host, range(0, 4)))
+    runs = spill.lookup(CHAIN[:4], 0)
+    shorter = spill.codec.encode(CHAIN[3], 2, KV, [2, 3])
+    disk.put_many([(CHAIN[3], shorter)])  # e.g. by another process
+    result = spill.load(runs, host.allocate(4))
+    assert (result.num_blocks, result.bad) == (0, [])
+    assert disk.sizes_many([CHAIN[3]]) == [len(shorter)]
     spill.close()

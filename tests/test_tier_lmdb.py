@@ -90,11 +90,12 @@ def test_lru_eviction_evicts_the_least_recently_used(open_tier, tmp_path: Path) 
     assert tier.evictions == 1
 
 
-def test_contains_is_not_a_use(open_tier, tmp_path: Path) -> None:
+@pytest.mark.parametrize("query", ["contains_many", "sizes_many"])
+def test_an_existence_or_size_query_is_not_a_use(open_tier, tmp_path: Path, query) -> None:
     tier = small_tier(open_tier, tmp_path)
     keys = [make_key("c", i) for i in range(5)]
     tier.put_many([(k, b"v" * 1000) for k in keys[:4]])
-    tier.contains_many([keys[0]])
+    getattr(tier, query)([keys[0]])
     tier.put_many([(keys[4], b"w" * 1000)])
     assert present(tier, keys) == [1, 2, 3, 4]
 

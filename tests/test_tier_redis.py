@@ -104,6 +104,7 @@ def test_ttl_is_set_on_write_and_refreshed_on_read(backend: Backend) -> None:
     assert read_all(tier, [keys[0]])[0] == [True]
     assert backend.admin.pttl(tier.redis_key(keys[0])) > 2000  # GETEX pushed it back
     tier.contains_many(keys)  # EXISTS does not refresh
+    tier.sizes_many(keys)  # nor does STRLEN
     assert 0 < backend.admin.ttl(tier.redis_key(keys[1])) <= 30
 
 

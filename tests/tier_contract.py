@@ -82,6 +82,12 @@ class TierContract:
         assert found == [False, True, False, True]
         assert got == {1: make_value(present[0], 64), 3: make_value(present[2], 64)}
 
+    def test_sizes_are_value_lengths_and_zero_for_missing_keys(self, tier: SpillTier) -> None:
+        keys = [make_key("size", i) for i in range(3)]
+        tier.put_many([(keys[0], make_value(keys[0], 100)), (keys[2], make_value(keys[2], MiB))])
+        assert tier.sizes_many(keys) == [100, 0, MiB]
+        assert tier.sizes_many([]) == []
+
     def test_repeated_key_in_one_get_calls_sink_for_each_index(self, tier: SpillTier) -> None:
         k = make_key("dup")
         tier.put_many([(k, b"abc")])

@@ -62,6 +62,12 @@ class SpillTier(ABC):
         """Which keys are present, in one batch (one round trip / one transaction)."""
 
     @abstractmethod
+    def sizes_many(self, keys: Sequence[bytes]) -> list[int]:
+        """The byte length of each key's value, 0 where it is absent, in one batch (one
+        round trip / one transaction); not a use. An empty value also reads 0 (Redis
+        cannot tell it from an absent key in one command; no chunk value is empty)."""
+
+    @abstractmethod
     def get_many(self, keys: Sequence[bytes], sink: ValueSink) -> list[bool]:
         """Call ``sink(i, value)`` for every present ``keys[i]``; returns which were present.
 

@@ -444,6 +444,18 @@ class LMDBTier(SpillTier):
         data = self._data
         return self._run(lambda txn: [txn.get(k, db=data) is not None for k in keys], write=False)
 
+    def sizes_many(self, keys: Sequence[bytes]) -> list[int]:
+        if not keys:
+            self._check_open()
+            return []
+        data = self._data
+
+        def sizes(txn: lmdb.Transaction) -> list[int]:
+            get = txn.get
+            return [0 if (v := get(k, db=data)) is None else len(v) for k in keys]
+
+        return self._run(sizes, write=False)
+
     def get_many(self, keys: Sequence[bytes], sink: ValueSink) -> list[bool]:
         if not keys:
             self._check_open()

@@ -19,15 +19,16 @@ One key per chunk
 
 Round-trip budget (design rule 5)
     Every batch method is one pipeline (``transaction=False``) executed once:
-    ``contains_many`` (EXISTS per key), ``get_many`` (GET, or GETEX refreshing the
-    expiry when a ttl is set), ``put_many`` (SET ... PX ttl) and ``delete_many``
-    (UNLINK). On a single server that is one round trip; in cluster mode the
-    cluster pipeline writes each node's share of the batch to that node's
-    connection before reading any reply, so at most one round trip per node, all
-    in flight together. ``round_trips`` counts pipeline executions (and SCAN
-    pages), ``commands_sent`` the commands in them, for tests and metrics.
-    ``keys``, ``clear`` and ``usage`` walk the namespace with SCAN (every primary
-    in a cluster) and are for inspection and tooling, not hot paths.
+    ``contains_many`` (EXISTS per key), ``sizes_many`` (STRLEN per key),
+    ``get_many`` (GET, or GETEX refreshing the expiry when a ttl is set),
+    ``put_many`` (SET ... PX ttl) and ``delete_many`` (UNLINK). On a single server
+    that is one round trip; in cluster mode the cluster pipeline writes each node's
+    share of the batch to that node's connection before reading any reply, so at
+    most one round trip per node, all in flight together. ``round_trips`` counts
+    pipeline executions (and SCAN pages), ``commands_sent`` the commands in them,
+    for tests and metrics. ``keys``, ``clear`` and ``usage`` walk the namespace
+    with SCAN (every primary in a cluster) and are for inspection and tooling, not
+    hot paths.
 
 TTL and eviction
     With ``ttl`` set, every write sets that expiry and every read hit refreshes it
@@ -294,6 +295,13 @@ class RedisTier(SpillTier):
             return []
         results = self._batch(lambda pipe: [pipe.exists(self.redis_key(k)) for k in keys])
         return [bool(r) for r in results]
+
+    def sizes_many(self, keys: Sequence[bytes]) -> list[int]:
+        if not keys:
+            self._check_open()
+            return []
+        results = self._batch(lambda pipe: [pipe.strlen(self.redis_key(k)) for k in keys])
+        return [int(r) for r in results]
 
     def get_many(self, keys: Sequence[bytes], sink: ValueSink) -> list[bool]:
         if not keys:

@@ -1,5 +1,7 @@
 """Reliability: every way a stored chunk value can be wrong is a miss, is deleted, is
 counted, and is never loaded into KV (design rule 3); and nothing ever unpickles.
+An empty value is the one exception to "deleted, counted": a size query cannot tell
+it from an absent key (Redis STRLEN), so the lookup never reads it: a plain miss.
 
 Values are injected straight into a tier (LMDB, fakeredis) under the key of a real
 chunk of a prompt whose every chunk is stored there, so a lookup finds them. Chunk 0
@@ -167,7 +169,6 @@ CORRUPTIONS: dict[str, tuple[Corrupt, str]] = {
         "header",
     ),
     "pickle_not_a_chunk": (lambda c, it: pickle.dumps({"kv": list(range(64))}), "magic"),
-    "empty": (lambda c, it: b"", "empty"),
     "absurd_payload_length": (lambda c, it: reheader(c, *it[BAD], len=2**64 - 1), "length"),
     "absurd_block_count": (
         lambda c, it: reheader(c, *it[BAD], n=2**40, len=2**40 * BLOCK_NBYTES),
@@ -211,6 +212,18 @@ def test_a_bad_value_is_a_miss_is_deleted_counted_and_never_loaded(
     cache.gpu.check_invariants()
     cache.host.check_invariants()
     assert cache.host.num_free == cache.host.num_blocks
+
+
+def test_an_empty_value_reads_as_absent_and_is_a_plain_miss(setup, monkeypatch) -> None:
+    cache, tier = setup
+    tokens = prompt(1)
+    items = store_prompt(cache, tier, tokens)
+    tier.put_many([(items[BAD][0], b"")])
+    written = spy_gpu_loads(cache, monkeypatch)
+    served, only_valid_loaded = probe(cache, tier, tokens, written)  # checks KV exactly
+    assert served.hit.tokens_per_tier() == {"gpu": 0, "cpu": 0, tier.name: BAD * C * BS}
+    assert served.valid_tokens == BAD * C * BS and only_valid_loaded
+    assert cache.stats()[tier.name].rejected == 0
 
 
 @pytest.mark.parametrize("control", ["intact", "general_msgpack_header"])
@@ -284,6 +297,7 @@ def test_arbitrary_corruptions_of_a_stored_value_are_rejected(tmp_path, kind, mo
     def check(mutation: tuple) -> None:
         value = _apply(original, mutation)
         assume(value != original)  # e.g. an empty splice, or two flips that cancel
+        assume(value)  # reads as absent: test_an_empty_value_reads_as_absent_...
         try:
             header, payload = codec.decode(value, bad_key)
         except BadChunk:

@@ -96,6 +96,10 @@ class FaultyTier(SpillTier):
         self._maybe_fail("contains_many")
         return self.inner.contains_many(keys)
 
+    def sizes_many(self, keys: Sequence[bytes]) -> list[int]:
+        self._maybe_fail("sizes_many")
+        return self.inner.sizes_many(keys)
+
     def get_many(self, keys: Sequence[bytes], sink: ValueSink) -> list[bool]:
         if self.gate is not None:
             assert self.gate.wait(timeout=20), "gate never opened"
@@ -183,11 +187,11 @@ def test_a_crashing_get_many_is_counted_against_its_tier(faulty) -> None:
     assert cache.stats()["disk"].errors == 1
 
 
-def test_a_crashing_contains_many_in_lookup_is_a_miss(faulty) -> None:
+def test_a_crashing_sizes_many_in_lookup_is_a_miss(faulty) -> None:
     cache, tier = faulty
     a = prompt(1, 12)
     store(cache, tier, a)
-    tier.fail["contains_many"] = 1
+    tier.fail["sizes_many"] = 1
     try:
         served = serve(cache, "a", a)  # must not raise
         assert served.hit.num_tokens == 0 and served.valid_tokens == 0
@@ -214,15 +218,15 @@ def test_a_crashing_put_many_is_counted_and_later_writes_land(faulty) -> None:
     assert_settled(cache)
 
 
-def test_a_crashing_contains_many_on_the_write_path_is_counted(faulty) -> None:
+def test_a_crashing_sizes_many_on_the_write_path_is_counted(faulty) -> None:
     cache, tier = faulty
-    tier.workers_only = True  # the existence check of a spill write, not of a lookup
-    tier.fail["contains_many"] = 2
+    tier.workers_only = True  # the size check of a spill write, not of a lookup
+    tier.fail["sizes_many"] = 2
     for i in range(12):
         serve(cache, f"w{i}", prompt(10 + i, 6))
     cache.flush()
     stats = cache.stats()["disk"]
-    assert tier.raised["contains_many"] == 2 and stats.errors == 2
+    assert tier.raised["sizes_many"] == 2 and stats.errors == 2
     assert stats.blocks_in > 0
     assert_settled(cache)
 
