@@ -93,9 +93,12 @@ class RequestReport:
 
 @dataclass
 class EngineReport:
-    """Every request, and with the connector its failed-load count and tier counters."""
+    """Every request, vLLM's own count of cached prompt tokens by source (``device``,
+    and what connectors report: ``host``, ``disk``, ``external_unspecified``; non-zero
+    ones), and with the connector its failed-load count and tier counters."""
 
     requests: list[RequestReport]
+    cached_by_source: dict[str, int] = field(default_factory=dict)
     load_errors: int = 0
     tiers: dict[str, dict[str, int]] = field(default_factory=dict)
 
@@ -183,6 +186,11 @@ def _serve(spec: EngineSpec) -> EngineReport:
         chat = Chat(spec.chat, llm.llm_engine.model_config.get_vocab_size(), spec.seed)
         for conv, _, prompt in chat.requests():
             chat.reply(conv, prompt, serve(prompt))
+    report.cached_by_source = {
+        m.labels["source"]: int(m.value)
+        for m in llm.get_metrics()
+        if m.name == "vllm:prompt_tokens_cached_by_source" and m.value
+    }
     if connector is not None:
         connector.cache.flush()
         report.load_errors = connector.num_load_errors

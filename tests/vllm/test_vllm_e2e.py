@@ -96,6 +96,8 @@ def test_second_engine_process_loads_the_prefix_from_disk(
     assert sibling.num_cached_tokens == 6 * BLOCK  # from the host pool it filled
     assert prompt.blocks_per_tier == {"disk": prompt.num_cached_tokens // BLOCK}
     assert sibling.blocks_per_tier == {"cpu": 6}
+    # vLLM's own stats, through the connector's hit-source hook, say the same.
+    assert report.cached_by_source == {"disk": prompt.num_cached_tokens, "host": 6 * BLOCK}
     assert report.load_errors == 0
     assert prompt.tokens == reference["prompt"]
     assert sibling.tokens == reference["sibling"]
@@ -118,6 +120,7 @@ def test_engines_sharing_only_redis_share_the_prefix(tiny_model, workdir, refere
     (result,) = reader.requests
     assert result.num_cached_tokens == 8 * BLOCK  # 4 whole chunks of 2 blocks
     assert reader.tiers["redis"]["blocks_out"] == 8
+    assert reader.cached_by_source == {"external_unspecified": 8 * BLOCK}  # a remote store
     assert reader.load_errors == 0
     assert result.tokens == reference["prompt"]
 
