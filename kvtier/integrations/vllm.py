@@ -176,6 +176,15 @@ class KVTierConnector(KVConnectorBase_V1):
                 "and never shared between engines. Set PYTHONHASHSEED or use sha256.",
                 algo,
             )
+        if role is KVConnectorRole.SCHEDULER and (
+            self._kv_transfer_config.kv_load_failure_policy != "recompute"
+        ):
+            log.warning(
+                "kvtier: kv_load_failure_policy is %r: a block that does not load (a corrupt "
+                "value, an unreachable Redis) fails its request. Set it to 'recompute' to "
+                "have vLLM compute such blocks instead.",
+                self._kv_transfer_config.kv_load_failure_policy,
+            )
         self.config = load_connector_config(self._kv_transfer_config.kv_connector_extra_config)
         self.block_size = cache_config.block_size
         self._engine_id = self._kv_transfer_config.engine_id

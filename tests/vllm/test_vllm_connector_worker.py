@@ -25,7 +25,9 @@ NUM_BLOCKS = 8
 LAYERS = 2
 
 
-def _vllm_config(model: str, kvtier: dict, engine_id: str) -> VllmConfig:
+def _vllm_config(
+    model: str, kvtier: dict, engine_id: str, on_load_failure: str = "recompute"
+) -> VllmConfig:
     return VllmConfig(
         model_config=ModelConfig(model=model, dtype="bfloat16"),
         cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
@@ -34,6 +36,7 @@ def _vllm_config(model: str, kvtier: dict, engine_id: str) -> VllmConfig:
             kv_connector_module_path="kvtier.integrations.vllm",
             kv_role="kv_both",
             engine_id=engine_id,
+            kv_load_failure_policy=on_load_failure,
             kv_connector_extra_config={"kvtier": kvtier},
         ),
     )
@@ -135,3 +138,20 @@ def test_reset_cache_leaves_nothing_stored_before_it_to_be_found(
     cache.save("new", [0, 1], after, cache.root, 0)
     assert cache.lookup(after, 0).blocks_per_tier() == {"cpu": 2}
     worker.shutdown()
+
+
+def test_vllm_failing_requests_on_a_load_error_is_warned_about(
+    tiny_model: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    kvtier = {"tiers": {"cpu": {"capacity": "1MiB"}}}
+    with caplog.at_level("WARNING", logger="kvtier.integrations.vllm"):
+        KVTierConnector(
+            _vllm_config(tiny_model, kvtier, "recompute"), KVConnectorRole.SCHEDULER, None
+        )
+        assert "kv_load_failure_policy" not in caplog.text
+        KVTierConnector(
+            _vllm_config(tiny_model, kvtier, "fail", on_load_failure="fail"),
+            KVConnectorRole.SCHEDULER,
+            None,
+        )
+    assert "kv_load_failure_policy is 'fail'" in caplog.text
