@@ -100,10 +100,11 @@ class _Prefetch:
     """Blocks ``[first, first + len(blocks))`` of a request being filled from pinned host
     slots: ``host_slots`` (host hits) then ``spill_slots`` (loaded from ``runs``).
 
-    ``work`` reads the spill runs (if any), copies up and returns how many leading blocks
-    it filled. It runs once: on an I/O worker, or on the engine's thread if that waits
-    before a worker took it (no thread hand-off then). A host-only hit into a CUDA pool
-    needs no work: ``transfer`` is the copy up itself, queued on the load stream.
+    ``work`` reads the spill runs, copies up and returns how many leading blocks it
+    filled. It runs once: on an I/O worker, or on the engine's thread if that waits
+    before a worker took it (no thread hand-off then). A host-only hit needs no work:
+    ``transfer`` is the copy up itself, queued on the load stream (CUDA) or the copier
+    thread (CPU; run by the engine's thread if it waits before the copier started it).
     """
 
     first: int
@@ -113,8 +114,8 @@ class _Prefetch:
     runs: tuple[SpillRun, ...]
     work: Callable[[], int] | None = None
     transfer: Transfer | None = None
-    claim: threading.Lock = field(default_factory=threading.Lock)
-    finished: threading.Event = field(default_factory=threading.Event)
+    claim: threading.Lock | None = None  # with ``work``: taken by whoever runs it
+    finished: threading.Event | None = None  # with ``work``: set once it is over
     valid: int = 0
     error: BaseException | None = None
     load: LoadResult | None = None
@@ -125,6 +126,9 @@ class _Prefetch:
     seconds: float = 0.0
     started: float = field(default_factory=time.perf_counter)  # at allocate
     finished_at: float = 0.0  # when ``work`` returned (its KV in place)
+
+    def set_work(self, work: Callable[[], int]) -> None:
+        self.work, self.claim, self.finished = work, threading.Lock(), threading.Event()
 
     def run(self) -> None:
         """Do the work unless another thread has taken it."""
@@ -139,8 +143,10 @@ class _Prefetch:
             self.finished.set()
 
     def cancel(self) -> bool:
-        """Take the work so that it never runs; False once it has started."""
-        if self.work is None or not self.claim.acquire(blocking=False):
+        """Take the work (or the copy) so that it never runs; False once it has started."""
+        if self.work is None:
+            return self.transfer.cancel()
+        if not self.claim.acquire(blocking=False):
             return False
         self.finished.set()
         return True
@@ -157,8 +163,8 @@ class _Prefetch:
             self.transfer.join()
 
     def latency(self) -> float:
-        """Seconds from ``allocate`` until the KV was in place. An asynchronous copy up
-        (no ``work``) has no host-side end time: its device time stands in for it."""
+        """Seconds from ``allocate`` until the KV was in place. A copy up without
+        ``work`` has no host-side end time: the copy's own time stands in for it."""
         return self.finished_at - self.started if self.work is not None else self.seconds
 
     def outcome(self) -> tuple[int, BaseException | None]:
@@ -517,12 +523,16 @@ class TieredCache:
         if runs:  # the held writes wait for the tier reads; without reads they start now
             p.held = list(held)
             held.clear()
-        if runs or not self.gpu.kv.is_cuda:  # tier reads, or a CPU copy: on a worker
-            p.work = partial(self._run_prefetch, p, self.transfer.mark())
+        if runs:  # tier reads, then the copy up: on an I/O worker
+            p.set_work(partial(self._run_prefetch, p, self.transfer.mark()))
             self.transfer.submit(p.run)
-        else:  # host hits to a CUDA pool: the copy is asynchronous by itself
+        else:  # host hits only: one copy, asynchronous by itself (load stream, copier)
             p.transfer = self.transfer.copy(
-                self.host.slab, p.host_slots, self.gpu.kv, blocks[: len(p.host_slots)]
+                self.host.slab,
+                p.host_slots,
+                self.gpu.kv,
+                blocks[: len(p.host_slots)],
+                background=True,
             )
         self._prefetches[req_id] = p
 

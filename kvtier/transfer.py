@@ -23,9 +23,14 @@ Ownership of streams and threads:
   the event (``Transfer.order_current_stream``) or blocks on it (``Transfer.join``);
   nobody syncs the host on the engine's path. Host memory must be pinned for the
   copies to be truly asynchronous.
-- CPU: a copy runs inline on the calling thread. Work that must not block the engine
-  (prefetch: tier reads, then the copy up) runs on the engine's I/O worker threads
-  (``submit``); torch copies and LMDB/socket I/O release the GIL.
+- CPU: a copy runs inline on the calling thread, or, with ``background=True`` (a
+  prefetch of host hits), on the copier: a C thread (``kvtier._core.Copier``) that
+  copies rows without ever taking the GIL. A Python worker would cost the engine a GIL
+  hand-off each way, more than the copy of a block; and whoever joins a copy the
+  thread has not started runs it itself, so a request that waits at once hands off
+  nothing. Work that must not block the engine and is more than a copy (a prefetch
+  with tier reads) runs on the engine's I/O worker threads (``submit``); torch copies
+  and LMDB/socket I/O release the GIL.
 
 A ``Transfer`` that failed keeps its exception (``error``), so a failed copy is
 reported by the caller, never loaded silently.
@@ -40,6 +45,8 @@ from typing import TypeVar
 
 import numpy as np
 import torch
+
+from kvtier._core import Copier, CopyJob
 
 T = TypeVar("T")
 _WIDE = torch.complex128  # 16-byte elements: the widest dtype torch has
@@ -152,8 +159,9 @@ def _timed_copy(*args: object) -> float:
 class Transfer:
     """A handle on one batched copy: poll with ``done``, block with ``join``.
 
-    On CUDA it wraps the events around the copy on a side stream; on CPU the copy has
-    already run (or failed) when the handle is made.
+    On CUDA it wraps the events around the copy on a side stream; on CPU it wraps a
+    copier job (``background``), or the copy has already run (or failed) when the
+    handle is made.
     """
 
     def __init__(
@@ -162,25 +170,39 @@ class Transfer:
         events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None,
         error: BaseException | None = None,
         seconds: float = 0.0,
+        job: CopyJob | None = None,
     ) -> None:
         self.nbytes = nbytes
         self._events = events
+        self._job = job
         self.error = error
         self._seconds = seconds
 
     def done(self) -> bool:
         """Never blocks."""
+        if self._job is not None:
+            return self._job.done()
         return self._events is None or bool(self._events[1].query())
 
     def join(self) -> BaseException | None:
-        """Block until the copy has finished; return its error (None when it succeeded)."""
-        if self._events is not None:
+        """Block until the copy has finished (running a copier job here if its thread has
+        not started it); return its error (None when it succeeded)."""
+        if self._job is not None:
+            self._job.wait()
+        elif self._events is not None:
             self._events[1].synchronize()
         return self.error
+
+    def cancel(self) -> bool:
+        """Make sure a copier job never runs; False once it has started, and always on
+        CUDA (a queued stream copy cannot be taken back) or for an inline copy."""
+        return self._job is not None and self._job.cancel()
 
     @property
     def seconds(self) -> float:
         """Time the copy took (0.0 while it runs, or when it failed)."""
+        if self._job is not None:
+            return self._job.seconds
         if self._events is not None:
             return self._events[0].elapsed_time(self._events[1]) / 1000 if self.done() else 0.0
         return self._seconds
@@ -203,6 +225,10 @@ class TransferEngine:
             self.load_stream = torch.cuda.Stream(self.device)
         self.workers = max(1, workers)
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="kvtier-io")
+        self._copier = None if self._cuda else Copier()
+        # Byte-row views of the tensors given to background copies (the pools), kept
+        # with their tensor so that an id is never reused while its view is cached.
+        self._rows: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
 
     def mark(self) -> torch.cuda.Event | None:
         """An event on the caller's current stream (None on CPU): pass it as ``after`` to
@@ -220,15 +246,25 @@ class TransferEngine:
         dst: torch.Tensor,
         dst_ids: Sequence[int] | np.ndarray,
         after: torch.cuda.Event | None = None,
+        background: bool = False,
     ) -> Transfer:
-        """``dst[dst_ids] = src[src_ids]``: queued on a side stream on CUDA, done inline on CPU.
+        """``dst[dst_ids] = src[src_ids]``: queued on a side stream on CUDA, done inline on
+        CPU, or with ``background`` queued on the copier thread (block-major contiguous
+        CPU tensors).
 
         On CUDA the copy first waits for ``after`` (else the caller's current stream), so
         it sees every write queued before it. A failure is reported through the handle.
         """
+        nbytes = len(dst_ids) * (dst.nbytes // dst.shape[0]) if dst.shape[0] else 0
+        if background and self._copier is not None:
+            try:
+                src_rows, dst_rows = self._byte_rows(src), self._byte_rows(dst)
+                job = self._copier.submit(src_rows, src_ids, dst_rows, dst_ids, dst_rows.shape[1])
+            except Exception as e:  # reported through the handle, never raised
+                return Transfer(nbytes, error=e)
+            return Transfer(nbytes, job=job)
         s = np.array(src_ids, dtype=np.int64)
         d = np.array(dst_ids, dtype=np.int64)
-        nbytes = len(d) * dst[0].nbytes if len(dst) else 0
         if self._cuda and (src.is_cuda or dst.is_cuda):
             stream = self.load_stream if dst.is_cuda else self.offload_stream
             if after is not None:
@@ -252,5 +288,17 @@ class TransferEngine:
         return self._pool.submit(fn, *args)
 
     def close(self) -> None:
-        """Finish queued work and stop the workers."""
+        """Finish queued work and stop the workers and the copier."""
         self._pool.shutdown(wait=True)
+        if self._copier is not None:
+            self._copier.close()
+
+    def _byte_rows(self, t: torch.Tensor) -> np.ndarray:
+        """``t`` (contiguous, on the CPU, ``[rows, ...]``) as a uint8 ``[rows, bytes]`` view."""
+        cached = self._rows.get(id(t))
+        if cached is None or cached[0] is not t:
+            if t.device.type != "cpu" or not t.is_contiguous() or not t.dim():
+                raise ValueError("a background copy needs contiguous CPU tensors")
+            rows = t.detach().view(torch.uint8).reshape(t.shape[0], -1).numpy()
+            cached = self._rows[id(t)] = (t, rows)
+        return cached[1]

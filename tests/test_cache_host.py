@@ -6,7 +6,6 @@ import threading
 import pytest
 import torch
 
-import kvtier.transfer
 from kvtier.block_manager import StaleHitError
 from kvtier.cache import LoadError, PrefixHit, TieredCache
 from kvtier.config import parse_config
@@ -47,12 +46,61 @@ def prompt(seed: int, blocks: int, bs: int = 4) -> list[int]:
     return [rng.randrange(50000) for _ in range(blocks * bs + 1)]
 
 
-def hold_copy_workers(cache: TieredCache) -> threading.Event:
-    """Keep every copy worker busy until the returned event is set."""
-    gate = threading.Event()
+class _HeldJob:
+    """A copier job that is handed to the real copier only once its gate is open."""
+
+    def __init__(self, copier: "HeldCopier", args: tuple) -> None:
+        self.copier, self.args = copier, args
+        self.job = None
+        self.cancelled = False
+
+    def _start(self) -> bool:
+        if self.job is None and not self.cancelled and self.copier.gate.is_set():
+            self.job = self.copier.real.submit(*self.args)
+        return self.job is not None
+
+    def done(self) -> bool:
+        return self.cancelled or (self._start() and self.job.done())
+
+    def wait(self) -> None:
+        self.copier.gate.wait()
+        if self._start():
+            self.job.wait()
+
+    def cancel(self) -> bool:
+        if self.job is not None:
+            return self.job.cancel()
+        self.cancelled = True
+        return True
+
+    @property
+    def seconds(self) -> float:
+        return self.job.seconds if self.job is not None else 0.0
+
+
+class HeldCopier:
+    """Stands in for the transfer engine's copier thread while it is busy elsewhere: a
+    background copy starts only once ``gate`` is set (then on the real copier)."""
+
+    def __init__(self, real) -> None:
+        self.real, self.gate = real, threading.Event()
+        self.fail: BaseException | None = None  # raised by submit, if set
+
+    def submit(self, *args) -> _HeldJob:
+        if self.fail is not None:
+            raise self.fail
+        return _HeldJob(self, args)
+
+    def close(self) -> None:
+        self.real.close()
+
+
+def hold_copies(cache: TieredCache) -> threading.Event:
+    """Keep every background copy and I/O worker waiting until the returned event is set."""
+    held = cache.transfer._copier = HeldCopier(cache.transfer._copier)
     for _ in range(cache.config.transfer.io_threads):
-        cache.transfer._pool.submit(gate.wait)
-    return gate
+        cache.transfer._pool.submit(held.gate.wait)
+    return held.gate
 
 
 def prompt_in_host(cache: TieredCache, other_blocks: int = 6) -> list[int]:
@@ -130,7 +178,7 @@ def test_eager_policy_copies_on_commit_so_eviction_copies_nothing():
 def test_ready_is_false_until_the_background_copy_lands_and_wait_blocks_for_it():
     cache = make_cache(gpu_blocks=8)
     a = prompt_in_host(cache)
-    gate = hold_copy_workers(cache)
+    gate = hold_copies(cache)
     begin(cache, "a2", a)
     assert cache.ready("a2") is False
     gate.set()
@@ -141,7 +189,7 @@ def test_ready_is_false_until_the_background_copy_lands_and_wait_blocks_for_it()
 def test_prefetching_blocks_are_not_hittable_until_ready():
     cache = make_cache(gpu_blocks=16)
     a = prompt_in_host(cache, other_blocks=12)
-    gate = hold_copy_workers(cache)
+    gate = hold_copies(cache)
     hit, _ = begin(cache, "a2", a)
     other = cache.lookup("a3", a)
     assert other.gpu_blocks == hit.gpu_blocks  # the in-flight blocks are not a GPU hit
@@ -153,7 +201,7 @@ def test_prefetching_blocks_are_not_hittable_until_ready():
 def test_prefetching_blocks_are_not_evictable():
     cache = make_cache(gpu_blocks=8)
     a = prompt_in_host(cache)
-    gate = hold_copy_workers(cache)
+    gate = hold_copies(cache)
     hit, table = begin(cache, "a2", a)
     assert cache.allocate("c", 8 * 4) is None  # would need a2's blocks
     gate.set()
@@ -164,7 +212,7 @@ def test_prefetching_blocks_are_not_evictable():
 def test_free_during_prefetch_leaks_nothing():
     cache = make_cache(gpu_blocks=8)
     a = prompt_in_host(cache)
-    gate = hold_copy_workers(cache)
+    gate = hold_copies(cache)
     hit, _ = begin(cache, "a2", a)
     assert cache.free("a2") is True  # the queued copy is cancelled
     gate.set()
@@ -175,22 +223,16 @@ def test_free_during_prefetch_leaks_nothing():
     check_pools(cache)
 
 
-def test_failed_prefetch_reports_only_gpu_tokens_and_counts_the_error(monkeypatch):
+def test_failed_prefetch_reports_only_gpu_tokens_and_counts_the_error():
     cache = make_cache(gpu_blocks=8)
     a = prompt_in_host(cache)
-
-    real_copy = kvtier.transfer._timed_copy
-
-    def loads_fail(src, src_ids, dst, dst_ids):
-        if dst is cache.kv:
-            raise RuntimeError("copy failed")
-        return real_copy(src, src_ids, dst, dst_ids)
-
-    monkeypatch.setattr("kvtier.transfer._timed_copy", loads_fail)
+    copier = cache.transfer._copier = HeldCopier(cache.transfer._copier)
+    copier.gate.set()
+    copier.fail = RuntimeError("copy failed")
     hit, _ = begin(cache, "a2", a)
     assert cache.wait("a2") == hit.tokens_per_tier()["gpu"]
     assert cache.stats()["cpu"].errors == 1
-    monkeypatch.undo()
+    copier.fail = None
     cache.free("a2")
     assert serve(cache, "a3", a).valid_tokens == 24  # host copy intact, loads now
     check_pools(cache)
