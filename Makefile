@@ -17,7 +17,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml setup.py kvtier/_core.c kvtier/_rows.c
+$(VENV)/.installed: pyproject.toml setup.py kvtier/_core.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH)"
 	$(PIP) install -e ".[$(EXTRAS)]"
