@@ -28,22 +28,26 @@ said otherwise:
   host pool: ``lookup`` + ``allocate`` + ``wait``, GB/s (informational), and
   ``prefetch API overhead N blocks``: (``lookup`` + ``allocate`` + ``wait`` + ``free``)
   minus the copy itself, in µs per request; target <= 50 µs. The copy is the
-  ``copy_blocks`` of the request's host slots into its GPU blocks that the I/O worker
-  runs inside ``wait``, as the transfer engine timed it (the cache's ``copy_seconds``
-  counter): the same blocks at the same moment, so the difference is what the API
-  adds (hashing, bookkeeping, the hand-off to the worker and back). A raw
+  copy of the request's host slots into its GPU blocks inside ``wait`` (the load
+  stream's on CUDA, the copier thread's on CPU), as the transfer engine timed it (the
+  cache's ``copy_seconds`` counter): the same blocks at the same moment, so the
+  difference is what the API adds (hashing, bookkeeping, the hand-off to the copy and
+  back). ``prefetch API overhead N blocks warm``: the same with the CPU cache left
+  warm before the request (as when the engine's own Python ran just before), where
+  the cold rows pay for the interpreter's code and data fetched from memory. A raw
   ``copy_blocks`` of the same blocks timed right after is reported next to it. Each
   repetition first, untimed, evicts the prefix from the GPU pool back to the host
   pool (a filler request takes every GPU block) and shuffles the GPU pool's free
   blocks, so the request gets scattered GPU blocks as on a server whose pool has been
-  churning. ``prefetch API N blocks: STEP`` rows break the request down.
+  churning. ``prefetch API N blocks[ warm]: STEP`` rows break the request down.
 
-Every timed repetition starts with the last-level CPU cache flushed (an untimed read
-of 64 MiB), so each copy reads memory cold, as a server's does, and kvtier and raw
-torch start alike. All pool memory is written once before timing (no first-touch
-page faults in the timed region). Cases run in rounds, each taking one sample of
-every case of one batch size in turn (order reversed every other round; a warm-up
-in the first), so that a noisy or drifting machine skews kvtier and its ceiling alike.
+Every timed repetition (but the warm API ones) starts with the last-level CPU cache
+flushed (an untimed read of 64 MiB), so each copy reads memory cold, as a server's
+does, and kvtier and raw torch start alike. All pool memory is written once before
+timing (no first-touch page faults in the timed region). Cases run in rounds, each
+taking one sample of every case of one batch size in turn (order reversed every other
+round; a warm-up in the first), so that a noisy or drifting machine skews kvtier and
+its ceiling alike.
 
     python benchmarks/bench_transfer.py [--quick] [--out FILE.json] [--device cpu]
 """
@@ -55,6 +59,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -460,7 +465,8 @@ class PrefetchAPI:
         rng = bench.rng
         self.tokens = {n: rng.integers(0, VOCAB, n * self.block_size + 1).tolist() for n in SIZES}
         self.hashes = {n: self.cache.manager.hasher.hash_blocks(self.tokens[n])[:n] for n in SIZES}
-        self.samples = {n: ApiSamples() for n in SIZES}
+        # Per batch size and CPU cache state (cold: flushed before the request).
+        self.samples = {(n, cold): ApiSamples() for n in SIZES for cold in (True, False)}
         self.last: tuple[PrefixHit, list[int] | None, int] | None = None
         self.steps: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
         self.before = self.cache.stats().tiers["cpu"]
@@ -475,9 +481,9 @@ class PrefetchAPI:
         cache.commit(req, tokens)
         cache.free(req)
 
-    def prepare(self, n: int) -> tuple[int, list[int]]:
+    def prepare(self, n: int, cold: bool = True) -> tuple[int, list[int]]:
         """Untimed: the n-block prefix only in the host pool, the GPU pool's free blocks
-        empty and shuffled, the CPU cache flushed. Returns a new request."""
+        empty and shuffled, the CPU cache flushed if ``cold``. Returns a new request."""
         cache = self.cache
         filler = next(self.req_ids)  # takes every GPU block: evicts (copies down) the prefix
         assert cache.allocate(filler, self.n_gpu * self.block_size) is not None
@@ -489,7 +495,8 @@ class PrefetchAPI:
         self.bench.rng.shuffle(ids)
         gpu.free(ids)  # unhashed: back on the empty stack, in random order
         assert len(cache.host.lookup(self.hashes[n])) == n, "prefix not in the host pool"
-        self.bench.flush()
+        if cold:
+            self.bench.flush()
         self.before = self.cache.stats().tiers["cpu"]
         return next(self.req_ids), self.tokens[n]
 
@@ -526,43 +533,44 @@ class PrefetchAPI:
         self.bench.sync()
 
     def sample(self, n: int, warmup: int) -> None:
-        """One sample (the step times, the copy inside, the raw copy after), after
-        ``warmup`` untimed ones."""
-        out = self.samples[n]
-        for i in range(warmup + 1):
-            total = measure_samples(self.request, 1, 0, setup=lambda: self.prepare(n))[0]
-            hit, table, valid = self.last
-            assert table is not None and valid == n * self.block_size, "prefetch failed"
-            assert not hit.gpu_blocks and len(hit.host_slots) == n
-            steps = self.steps
-            after = self.cache.stats().tiers["cpu"]
-            assert after.blocks_in == self.before.blocks_in, "the request offloaded blocks"
-            assert after.blocks_out == self.before.blocks_out + n
-            copy = after.copy_seconds - self.before.copy_seconds
-            pair = (list(hit.host_slots), table[:n])
+        """One sample with the CPU cache cold and one with it warm (the step times, the
+        copy inside, the raw copy after), each after ``warmup`` untimed ones."""
+        for cold in (True, False):
+            out = self.samples[n, cold]
+            for i in range(warmup + 1):
+                total = measure_samples(self.request, 1, 0, setup=partial(self.prepare, n, cold))[0]
+                hit, table, valid = self.last
+                assert table is not None and valid == n * self.block_size, "prefetch failed"
+                assert not hit.gpu_blocks and len(hit.host_slots) == n
+                steps = self.steps
+                after = self.cache.stats().tiers["cpu"]
+                assert after.blocks_in == self.before.blocks_in, "the request offloaded blocks"
+                assert after.blocks_out == self.before.blocks_out + n
+                copy = after.copy_seconds - self.before.copy_seconds
+                pair = (list(hit.host_slots), table[:n])
 
-            def setup(pair: tuple[list[int], list[int]] = pair) -> tuple[list[int], list[int]]:
-                self.bench.flush()
-                return pair
+                def setup(pair: tuple[list[int], list[int]] = pair, cold: bool = cold):
+                    if cold:
+                        self.bench.flush()
+                    return pair
 
-            raw = measure_samples(self.raw_copy, 1, 0, setup=setup)[0]
-            if i < warmup:
-                continue
-            out.total.append(total)
-            out.copy.append(copy)
-            out.raw.append(raw)
-            for lst, t in zip((out.lookup, out.allocate, out.wait, out.free), steps):
-                lst.append(t)
+                raw = measure_samples(self.raw_copy, 1, 0, setup=setup)[0]
+                if i < warmup:
+                    continue
+                out.total.append(total)
+                out.copy.append(copy)
+                out.raw.append(raw)
+                for lst, t in zip((out.lookup, out.allocate, out.wait, out.free), steps):
+                    lst.append(t)
 
     def results(self, n: int, ceiling: float, what: str) -> tuple[list[Result], list[Result]]:
-        """The API's throughput and overhead rows, and its step rows."""
-        s = self.samples[n]
+        """The API's throughput row (cold), its overhead rows (cold, warm) and its step
+        rows (cold, warm)."""
         b = blocks(n)
         nbytes = n * self.bench.block_nbytes
-        api = [lk + a + w for lk, a, w in zip(s.lookup, s.allocate, s.wait)]
+        cold = self.samples[n, True]
+        api = [lk + a + w for lk, a, w in zip(cold.lookup, cold.allocate, cold.wait)]
         med, lo, hi = summarize(api)
-        over = [(t - c) * 1e6 for t, c in zip(s.total, s.copy)]
-        o_med, o_lo, o_hi = summarize(over)
         rows = [
             Result(
                 case=f"prefetch API {b}",
@@ -573,41 +581,48 @@ class PrefetchAPI:
                 max=nbytes / lo / 1e9,
                 ceiling=ceiling,
                 ceiling_what=what,
-            ),
-            Result(
-                case=f"prefetch API overhead {b}",
-                metric="lookup + allocate + wait + free minus the copy_blocks inside wait",
-                unit=US,
-                value=o_med,
-                min=o_lo,
-                max=o_hi,
-                target=OVERHEAD_TARGET_US,
-                target_kind="value",
-                higher_is_better=False,
-            ),
+            )
         ]
-        steps = (
-            ("lookup", s.lookup),
-            ("allocate", s.allocate),
-            ("wait", s.wait),
-            ("free", s.free),
-            ("copy_blocks inside wait", s.copy),
-            ("raw copy_blocks, same blocks after", s.raw),
-        )
         step_rows = []
-        for step, samples in steps:
-            m, lo, hi = summarize(samples)
-            step_rows.append(
+        for is_cold, suffix in ((True, ""), (False, " warm")):
+            s = self.samples[n, is_cold]
+            over = [(t - c) * 1e6 for t, c in zip(s.total, s.copy)]
+            o_med, o_lo, o_hi = summarize(over)
+            rows.append(
                 Result(
-                    case=f"prefetch API {b}: {step}",
-                    metric=f"time of {step}",
+                    case=f"prefetch API overhead {b}{suffix}",
+                    metric="lookup + allocate + wait + free minus the copy_blocks inside "
+                    f"wait, CPU cache {'flushed before' if is_cold else 'warm'}",
                     unit=US,
-                    value=m * 1e6,
-                    min=lo * 1e6,
-                    max=hi * 1e6,
+                    value=o_med,
+                    min=o_lo,
+                    max=o_hi,
+                    target=OVERHEAD_TARGET_US,
+                    target_kind="value",
                     higher_is_better=False,
                 )
             )
+            steps = (
+                ("lookup", s.lookup),
+                ("allocate", s.allocate),
+                ("wait", s.wait),
+                ("free", s.free),
+                ("copy_blocks inside wait", s.copy),
+                ("raw copy_blocks, same blocks after", s.raw),
+            )
+            for step, samples in steps:
+                m, lo, hi = summarize(samples)
+                step_rows.append(
+                    Result(
+                        case=f"prefetch API {b}{suffix}: {step}",
+                        metric=f"time of {step}",
+                        unit=US,
+                        value=m * 1e6,
+                        min=lo * 1e6,
+                        max=hi * 1e6,
+                        higher_is_better=False,
+                    )
+                )
         return rows, step_rows
 
 
