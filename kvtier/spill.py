@@ -44,6 +44,12 @@ blocks still missing into pinned host slots. A value that fails its checks is a
 miss, is deleted, and is counted; one that changed since the lookup (rewritten as a
 run that no longer reaches back far enough) is a miss too, and is kept.
 
+In flight. A value queued for a tier is found by ``lookup`` and read by ``load`` from
+memory until its write is over: the host slots it came from are free as soon as it
+is encoded, so without this a prefix evicted a moment ago would be a miss everywhere
+until the write lands. The values are the queued writes' own (bounded by the bytes in
+flight); a write that fails takes its values out, and they are misses from then on.
+
 Threads: ``lookup`` and ``load`` touch only the tiers, the codec, and host slots pinned
 for them; they may run on any thread (loads run on the transfer engine's workers).
 Writes run on this manager's own workers, so a write stuck on a hung tier never delays
@@ -181,6 +187,8 @@ class SpillManager:
                 )
         self._pending = 0
         self._writes: set[Future] = set()
+        # Values queued for each tier and not yet written, by key (see "In flight").
+        self._in_flight: dict[str, dict[bytes, memoryview]] = {t.name: {} for t in self.tiers}
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ read path
@@ -197,6 +205,13 @@ class SpillManager:
             except Exception as e:  # any failure of a tier is a miss, never the engine's
                 self._count_error(tier.name, e)
                 continue
+            with self._lock:
+                queued = self._in_flight[tier.name]
+                if queued:
+                    for j, key in enumerate(hashes[start:end]):
+                        value = queued.get(key)
+                        if value is not None and len(value) > sizes[j]:
+                            sizes[j] = len(value)
             starts = [self._run_start(j, size, c) for j, size in enumerate(sizes, start)]
             found = _cover(starts, start, end, c)
             stats = self._stats[tier.name]
@@ -260,9 +275,19 @@ class SpillManager:
                     self._rows[target] = payload[lo - first : hi - first]
                 ok[i] = True
 
+            with self._lock:
+                queued = self._in_flight[run.tier]
+                memory = {i: queued[c.key] for i, c in enumerate(run.chunks) if c.key in queued}
+            for i, value in memory.items():
+                sink(i, value)
+            stored = [i for i in range(len(run.chunks)) if i not in memory]
             try:
                 start = time.perf_counter()
-                tier.get_many([c.key for c in run.chunks], sink)
+                if stored:
+                    tier.get_many(
+                        [run.chunks[i].key for i in stored],
+                        lambda j, value, stored=stored, sink=sink: sink(stored[j], value),
+                    )
                 result.read_seconds[run.tier] = time.perf_counter() - start
             except Exception as e:  # what loaded before the failure is still good
                 result.errors.append(run.tier)
@@ -439,6 +464,7 @@ class SpillManager:
                 if value is None:
                     value = encoded[key, start] = self.codec.encode(key, start, self._rows, slots)
                 items.append((key, value, len(slots)))
+            self._track(tier, items)
             if self._held is not None:
                 self._held.append((tier, items, nbytes))
             else:
@@ -451,6 +477,7 @@ class SpillManager:
         items = [(key, value, (len(value) - header) // bn) for key, value in evicted]
         nbytes = sum(len(value) for _, value in evicted)
         if self._reserve(tier, nbytes, sum(n for _, _, n in items)):
+            self._track(tier, items)
             self._background(tier, self._put, tier, items, nbytes)
 
     def _reserve(self, tier: SpillTier, nbytes: int, blocks: int) -> bool:
@@ -489,6 +516,18 @@ class SpillManager:
         finally:
             with self._lock:
                 self._pending -= nbytes
+                queued = self._in_flight[tier.name]
+                for key, value, _ in items:
+                    if queued.get(key) is value:  # not since replaced by a newer write
+                        del queued[key]
+
+    def _track(self, tier: SpillTier, items: list[tuple[bytes, memoryview, int]]) -> None:
+        """Make queued values visible to lookups and loads until ``_put`` is over."""
+        with self._lock:
+            queued = self._in_flight[tier.name]
+            for key, value, _ in items:
+                if len(value) >= len(queued.get(key, b"")):  # the longer run wins
+                    queued[key] = value
 
     def _background(self, tier: SpillTier, fn: Callable, *args: object) -> None:
         future = self._writers.submit(fn, *args)

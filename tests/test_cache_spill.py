@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import fakeredis
@@ -384,3 +385,22 @@ def test_a_run_rewritten_shorter_since_the_lookup_is_a_miss_and_is_kept(tmp_path
     assert (result.num_blocks, result.bad) == (0, [])
     assert disk.sizes_many([CHAIN[3]]) == [len(shorter)]
     spill.close()
+
+
+def test_a_chunk_whose_write_is_in_flight_is_found_and_loaded_from_memory(tmp_path):
+    cache, (disk,) = make_cache(tmp_path, disk=True)
+    gate = threading.Event()
+    put_many = disk.put_many
+    disk.put_many = lambda items: gate.wait(10) and put_many(items)  # a slow disk
+    a = prompt(1, 6)
+    serve(cache, "a", a)
+    for s in range(5):  # a leaves the GPU and the host pool; its write is stuck
+        serve(cache, f"filler{s}", prompt(1000 + s, 6))
+    assert disk.sizes_many(cache.manager.hasher.hash_blocks(a)[:6]) == [0] * 6
+    served = serve(cache, "a2", a)  # bit-exact
+    assert served.hit.tokens_per_tier()["disk"] > 0
+    assert served.valid_tokens == served.hit.num_tokens == 24
+    gate.set()
+    cache.flush()
+    assert any(disk.sizes_many(cache.manager.hasher.hash_blocks(a)[:6]))
+    cache.close()
