@@ -1,0 +1,188 @@
+"""The same round trips on every device there is: the GPU tier on the CPU here, and on
+CUDA (pinned host slab, copy streams and events) where a CUDA device is present."""
+
+from __future__ import annotations
+
+import random
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier.block_manager import StaleHitError
+from kvtier.cache import TieredCache
+from kvtier.config import parse_config
+from kvtier.synthetic import PoolExhausted, serve
+from kvtier.transfer import copy_blocks
+
+BLOCK = 4  # tokens per block
+NO_CUDA = not torch.cuda.is_available()
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(NO_CUDA, reason="no CUDA device"))]
+
+
+def make_cache(
+    device: str,
+    tmp_path: Path | None = None,
+    gpu: int = 16,
+    host: int = 32,
+    dtype: str = "float16",
+    kv_factor: int = 2,
+    cpu_policy: str = "on_evict",
+) -> TieredCache:
+    """A cache whose GPU pool lives on ``device``; with ``tmp_path``, an LMDB tier below."""
+    layout = {
+        "num_layers": 2,
+        "kv_factor": kv_factor,
+        "block_size": BLOCK,
+        "num_kv_heads": 2,
+        "head_dim": 16,
+        "dtype": dtype,
+    }
+    block_nbytes = (
+        2 * kv_factor * BLOCK * 2 * 16 * torch.empty((), dtype=getattr(torch, dtype)).itemsize
+    )
+    tiers: dict = {
+        "gpu": {"num_blocks": gpu, "device": device},
+        "cpu": {"capacity": host * block_nbytes, "write_policy": cpu_policy},
+    }
+    if tmp_path is not None:
+        tiers["disk"] = {"path": str(tmp_path / "lmdb"), "capacity": "64MiB", "chunk_blocks": 4}
+    return TieredCache(parse_config({"model": "devices-test", "layout": layout, "tiers": tiers}))
+
+
+def prompt(seed: int, blocks: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(50000) for _ in range(blocks * BLOCK + 1)]
+
+
+def serve_twice(cache: TieredCache, prompts: list[list[int]]) -> dict[str, int]:
+    """Serve every prompt, then every prompt again, newest first: each second request
+    must hit all its full blocks (``serve`` checks every loaded block bit for bit).
+    Returns the tokens the second pass found per tier."""
+    for i, p in enumerate(prompts):
+        serve(cache, f"first{i}", p)
+    cache.flush()  # spill writes land before the second pass looks for them
+    found: dict[str, int] = {}
+    for i, p in reversed(list(enumerate(prompts))):
+        served = serve(cache, f"again{i}", p)
+        assert served.valid_tokens == served.hit.num_tokens == len(p) - 1
+        for tier, n in served.hit.tokens_per_tier().items():
+            found[tier] = found.get(tier, 0) + n
+    cache.gpu.check_invariants()
+    cache.host.check_invariants()
+    return found
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("dtype", "kv_factor"),
+    [("float16", 2), ("bfloat16", 2), ("float32", 2), ("float16", 1)],
+)
+def test_host_tier_round_trip_is_bit_exact(device: str, dtype: str, kv_factor: int) -> None:
+    # 64 blocks of prompts: 4x the GPU pool, 0.5x the host pool.
+    cache = make_cache(device, gpu=16, host=128, dtype=dtype, kv_factor=kv_factor)
+    found = serve_twice(cache, [prompt(s, 8) for s in range(8)])
+    assert found.get("cpu", 0) > 0
+    cache.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_eager_host_copies_round_trip_bit_exact(device: str) -> None:
+    cache = make_cache(device, gpu=16, host=128, cpu_policy="eager")
+    found = serve_twice(cache, [prompt(s, 8) for s in range(8)])
+    assert found.get("cpu", 0) > 0
+    cache.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_disk_tier_round_trip_is_bit_exact(device: str, tmp_path: Path) -> None:
+    cache = make_cache(device, tmp_path, gpu=16, host=16)
+    found = serve_twice(cache, [prompt(s, 8) for s in range(8)])
+    assert found.get("disk", 0) > 0
+    cache.close()
+
+
+@pytest.mark.skipif(NO_CUDA, reason="no CUDA device")
+def test_host_slab_is_pinned_on_cuda() -> None:
+    cache = make_cache("cuda")
+    assert cache.host.slab.is_pinned()
+    assert cache.kv.is_cuda
+    cache.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("device", DEVICES)
+def test_threads_serving_at_once_keep_kv_exact_and_pools_consistent(
+    device: str, tmp_path: Path
+) -> None:
+    cache = make_cache(device, tmp_path, gpu=48, host=48)
+    prompts = [prompt(s, 3 + s % 5) for s in range(24)]
+    errors: list[BaseException] = []
+
+    def worker(tid: int) -> None:
+        rng = random.Random(tid)
+        try:
+            for step in range(300):
+                req = f"t{tid}-{step}"
+                try:
+                    served = serve(cache, req, prompts[rng.randrange(len(prompts))])
+                except (StaleHitError, PoolExhausted):  # contention: another request
+                    cache.free(req)
+                    continue
+                assert served.valid_tokens == served.hit.num_tokens
+        except BaseException as e:  # surfaced in the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    cache.flush()
+    assert cache.gpu.num_free == cache.gpu.num_blocks
+    cache.gpu.check_invariants()
+    cache.host.check_invariants()
+    cache.close()
+
+
+@pytest.mark.skipif(NO_CUDA, reason="no CUDA device")
+@pytest.mark.parametrize(
+    ("min_runs", "stage_nbytes"),
+    [(10**9, 64 << 20), (2, 64 << 20), (2, 3 * 128)],
+    ids=["per run", "staged", "staged 3 blocks a piece"],
+)
+def test_copy_blocks_across_devices_moves_scattered_blocks_exactly(
+    monkeypatch: pytest.MonkeyPatch, min_runs: int, stage_nbytes: int
+) -> None:
+    monkeypatch.setattr("kvtier.transfer._STAGE_MIN_RUNS", min_runs)
+    monkeypatch.setattr("kvtier.transfer.STAGE_NBYTES", stage_nbytes)
+    host = torch.randn(32, 2, 4, 8).to(torch.bfloat16).pin_memory()  # 128 B per block
+    gpu = torch.randn(40, 2, 4, 8).to(torch.bfloat16).cuda()
+    rng = random.Random(min_runs + stage_nbytes)
+    slots, blocks = rng.sample(range(32), 20), rng.sample(range(40), 20)
+    expected = gpu.cpu()
+    expected[blocks] = host[slots]
+    copy_blocks(host, slots, gpu, blocks, non_blocking=True)  # load
+    assert torch.equal(gpu.cpu(), expected)
+    gpu_before, host_before = gpu.clone(), host.clone()
+    back = torch.zeros_like(host).pin_memory()
+    copy_blocks(gpu, blocks, back, slots, non_blocking=True)  # offload
+    torch.cuda.synchronize()
+    assert torch.equal(back[slots], host_before[slots])
+    assert torch.equal(gpu, gpu_before)
+
+
+@pytest.mark.skipif(NO_CUDA, reason="no CUDA device")
+def test_copy_blocks_to_a_destination_named_twice_keeps_the_last_source(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("kvtier.transfer._STAGE_MIN_RUNS", 2)  # the offload is staged
+    host = torch.arange(8 * 16, dtype=torch.float32).reshape(8, 16)
+    gpu = torch.zeros(8, 16, device="cuda")
+    copy_blocks(host, [0, 5, 2, 7], gpu, [3, 1, 3, 6])
+    assert torch.equal(gpu[3].cpu(), host[2]) and torch.equal(gpu[1].cpu(), host[5])
+    back = torch.zeros(8, 16)
+    copy_blocks(gpu, [1, 6, 3, 1], back, [4, 0, 4, 2])
+    assert torch.equal(back[4], host[2]) and torch.equal(back[0], host[7])
