@@ -5,7 +5,7 @@ Tolerance: the suffix's logits are compared with ``atol=1e-5`` (float32). A hit
 changes only how much of the prompt one forward pass covers, so the suffix's matmuls
 may be blocked differently than in the full pass; on this CPU they come out equal,
 but nothing promises bit equality of a float reduction across shapes. Greedy tokens
-must be exactly equal.
+must be exactly equal. The model and the GPU tier run on CUDA where there is a device.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from kvtier.integrations.hf import CachedLM, layout_for, recompute, weights_id  
 
 BLOCK = 8
 VOCAB = 256
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def model() -> transformers.LlamaForCausalLM:
         num_key_value_heads=2,  # GQA
         max_position_embeddings=512,
     )
-    return transformers.LlamaForCausalLM(cfg).eval()
+    return transformers.LlamaForCausalLM(cfg).eval().to(DEVICE)
 
 
 def block_nbytes(model) -> int:
@@ -49,7 +50,7 @@ def tiers(model, gpu_blocks: int = 64, host_blocks: int = 64, **spill) -> dict:
     return {
         "layout": {"block_size": BLOCK, "num_layers": 1, "num_kv_heads": 1, "head_dim": 1},
         "tiers": {
-            "gpu": {"num_blocks": gpu_blocks, "device": "cpu"},
+            "gpu": {"num_blocks": gpu_blocks, "device": str(DEVICE)},
             "cpu": {"capacity": host_blocks * block_nbytes(model), "write_policy": "eager"},
             **spill,
         },
@@ -63,11 +64,11 @@ def prompt(n: int, seed: int) -> list[int]:
 
 def recompute_logits(model, tokens: list[int]) -> torch.Tensor:
     with torch.no_grad():
-        return model(torch.tensor([tokens])).logits[0]
+        return model(torch.tensor([tokens], device=DEVICE)).logits[0]
 
 
 def plain_generate(model, tokens: list[int], n: int) -> list[int]:
-    ids = torch.tensor([tokens])
+    ids = torch.tensor([tokens], device=DEVICE)
     with torch.no_grad():
         out = model.generate(
             ids,
@@ -182,9 +183,9 @@ def test_redis_hit_in_a_fresh_cache_is_served_like_recompute(model, real_client)
 
 
 def test_weights_id_names_the_weights_not_the_shapes(model):
-    twin = transformers.LlamaForCausalLM(model.config).eval()
+    twin = transformers.LlamaForCausalLM(model.config).eval().to(DEVICE)
     twin.load_state_dict(model.state_dict())
-    other = transformers.LlamaForCausalLM(model.config).eval()  # same shapes, new weights
+    other = transformers.LlamaForCausalLM(model.config).eval().to(DEVICE)  # new weights
     assert weights_id(twin) == weights_id(model) != weights_id(other)
 
 
