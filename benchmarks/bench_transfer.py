@@ -33,8 +33,9 @@ said otherwise:
   cache's ``copy_seconds`` counter): the same blocks at the same moment, so the
   difference is what the API adds (hashing, bookkeeping, the hand-off to the copy and
   back). ``prefetch API overhead N blocks warm``: the same with the CPU cache left
-  warm before the request (as when the engine's own Python ran just before), where
-  the cold rows pay for the interpreter's code and data fetched from memory. A raw
+  warm, the request timed right after ``WARM_REQUESTS`` untimed ones of the same size
+  (as in a serving loop), where the cold rows pay for the interpreter's code and data
+  fetched from memory. A raw
   ``copy_blocks`` of the same blocks timed right after is reported next to it. Each
   repetition first, untimed, evicts the prefix from the GPU pool back to the host
   pool (a filler request takes every GPU block) and shuffles the GPU pool's free
@@ -91,6 +92,7 @@ FLUSH_BYTES = 64 << 20  # read before every sample: twice this machine's 32 MiB 
 RATIO_TARGET = 0.8  # of the ceiling, for batches of RATIO_MIN_BLOCKS and more
 RATIO_MIN_BLOCKS = 16
 OVERHEAD_TARGET_US = 50.0
+WARM_REQUESTS = 2  # untimed requests before a warm one
 CHECK_MAX_BLOCKS = 16  # bit-exactness is checked up to this batch size (same code paths)
 VOCAB = 128_000
 GBS = "GB/s"
@@ -534,10 +536,13 @@ class PrefetchAPI:
 
     def sample(self, n: int, warmup: int) -> None:
         """One sample with the CPU cache cold and one with it warm (the step times, the
-        copy inside, the raw copy after), each after ``warmup`` untimed ones."""
+        copy inside, the raw copy after), after ``warmup`` untimed ones (warm: and
+        ``WARM_REQUESTS`` more, back to back)."""
         for cold in (True, False):
             out = self.samples[n, cold]
-            for i in range(warmup + 1):
+            # Warm: after requests of the same size back to back, as in a serving loop.
+            warmup_here = warmup if cold else warmup + WARM_REQUESTS
+            for i in range(warmup_here + 1):
                 total = measure_samples(self.request, 1, 0, setup=partial(self.prepare, n, cold))[0]
                 hit, table, valid = self.last
                 assert table is not None and valid == n * self.block_size, "prefetch failed"
@@ -555,7 +560,7 @@ class PrefetchAPI:
                     return pair
 
                 raw = measure_samples(self.raw_copy, 1, 0, setup=setup)[0]
-                if i < warmup:
+                if i < warmup_here:
                     continue
                 out.total.append(total)
                 out.copy.append(copy)
