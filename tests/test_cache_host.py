@@ -2,6 +2,7 @@
 
 import random
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +19,11 @@ def make_cache(
     dtype: str = "float32",
     kv_factor: int = 2,
     write_policy: str = "on_evict",
+    device: str = "cpu",
+    disk: Path | None = None,
 ) -> TieredCache:
+    """A cache whose GPU pool lives on ``device``; with ``disk`` (a directory), an LMDB
+    tier below the host pool."""
     layout = {
         "num_layers": 2,
         "kv_factor": kv_factor,
@@ -27,18 +32,14 @@ def make_cache(
         "head_dim": 8,
         "dtype": dtype,
     }
-    block_nbytes = 2 * kv_factor * 4 * 2 * 8 * torch.empty((), dtype=getattr(torch, dtype)).itemsize
-    return TieredCache(
-        parse_config(
-            {
-                "layout": layout,
-                "tiers": {
-                    "gpu": {"num_blocks": gpu_blocks, "device": "cpu"},
-                    "cpu": {"capacity": host_blocks * block_nbytes, "write_policy": write_policy},
-                },
-            }
-        )
-    )
+    block_nbytes = parse_config({"layout": layout}).layout.block_nbytes
+    tiers: dict = {
+        "gpu": {"num_blocks": gpu_blocks, "device": device},
+        "cpu": {"capacity": host_blocks * block_nbytes, "write_policy": write_policy},
+    }
+    if disk is not None:
+        tiers["disk"] = {"path": str(disk / "lmdb"), "capacity": "64MiB", "chunk_blocks": 4}
+    return TieredCache(parse_config({"layout": layout, "tiers": tiers}))
 
 
 def prompt(seed: int, blocks: int, bs: int = 4) -> list[int]:

@@ -9,51 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_cache_host import make_cache, prompt
 
 from kvtier.block_manager import StaleHitError
 from kvtier.cache import TieredCache
-from kvtier.config import parse_config
 from kvtier.synthetic import PoolExhausted, serve
 from kvtier.transfer import copy_blocks
 
-BLOCK = 4  # tokens per block
 NO_CUDA = not torch.cuda.is_available()
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(NO_CUDA, reason="no CUDA device"))]
-
-
-def make_cache(
-    device: str,
-    tmp_path: Path | None = None,
-    gpu: int = 16,
-    host: int = 32,
-    dtype: str = "float16",
-    kv_factor: int = 2,
-    cpu_policy: str = "on_evict",
-) -> TieredCache:
-    """A cache whose GPU pool lives on ``device``; with ``tmp_path``, an LMDB tier below."""
-    layout = {
-        "num_layers": 2,
-        "kv_factor": kv_factor,
-        "block_size": BLOCK,
-        "num_kv_heads": 2,
-        "head_dim": 16,
-        "dtype": dtype,
-    }
-    block_nbytes = (
-        2 * kv_factor * BLOCK * 2 * 16 * torch.empty((), dtype=getattr(torch, dtype)).itemsize
-    )
-    tiers: dict = {
-        "gpu": {"num_blocks": gpu, "device": device},
-        "cpu": {"capacity": host * block_nbytes, "write_policy": cpu_policy},
-    }
-    if tmp_path is not None:
-        tiers["disk"] = {"path": str(tmp_path / "lmdb"), "capacity": "64MiB", "chunk_blocks": 4}
-    return TieredCache(parse_config({"model": "devices-test", "layout": layout, "tiers": tiers}))
-
-
-def prompt(seed: int, blocks: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(50000) for _ in range(blocks * BLOCK + 1)]
 
 
 def serve_twice(cache: TieredCache, prompts: list[list[int]]) -> dict[str, int]:
@@ -81,7 +45,7 @@ def serve_twice(cache: TieredCache, prompts: list[list[int]]) -> dict[str, int]:
 )
 def test_host_tier_round_trip_is_bit_exact(device: str, dtype: str, kv_factor: int) -> None:
     # 64 blocks of prompts: 4x the GPU pool, 0.5x the host pool.
-    cache = make_cache(device, gpu=16, host=128, dtype=dtype, kv_factor=kv_factor)
+    cache = make_cache(16, 128, dtype, kv_factor, device=device)
     found = serve_twice(cache, [prompt(s, 8) for s in range(8)])
     assert found.get("cpu", 0) > 0
     cache.close()
@@ -89,7 +53,7 @@ def test_host_tier_round_trip_is_bit_exact(device: str, dtype: str, kv_factor: i
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_eager_host_copies_round_trip_bit_exact(device: str) -> None:
-    cache = make_cache(device, gpu=16, host=128, cpu_policy="eager")
+    cache = make_cache(16, 128, write_policy="eager", device=device)
     found = serve_twice(cache, [prompt(s, 8) for s in range(8)])
     assert found.get("cpu", 0) > 0
     cache.close()
@@ -97,7 +61,7 @@ def test_eager_host_copies_round_trip_bit_exact(device: str) -> None:
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_disk_tier_round_trip_is_bit_exact(device: str, tmp_path: Path) -> None:
-    cache = make_cache(device, tmp_path, gpu=16, host=16)
+    cache = make_cache(16, 16, device=device, disk=tmp_path)
     found = serve_twice(cache, [prompt(s, 8) for s in range(8)])
     assert found.get("disk", 0) > 0
     cache.close()
@@ -105,7 +69,7 @@ def test_disk_tier_round_trip_is_bit_exact(device: str, tmp_path: Path) -> None:
 
 @pytest.mark.skipif(NO_CUDA, reason="no CUDA device")
 def test_host_slab_is_pinned_on_cuda() -> None:
-    cache = make_cache("cuda")
+    cache = make_cache(device="cuda")
     assert cache.host.slab.is_pinned()
     assert cache.kv.is_cuda
     cache.close()
@@ -116,7 +80,7 @@ def test_host_slab_is_pinned_on_cuda() -> None:
 def test_threads_serving_at_once_keep_kv_exact_and_pools_consistent(
     device: str, tmp_path: Path
 ) -> None:
-    cache = make_cache(device, tmp_path, gpu=48, host=48)
+    cache = make_cache(48, 48, device=device, disk=tmp_path)
     prompts = [prompt(s, 3 + s % 5) for s in range(24)]
     errors: list[BaseException] = []
 
