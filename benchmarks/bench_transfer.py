@@ -658,7 +658,8 @@ def main() -> int:
         f"threads), device {machine['device']}; layout {layout.describe()}, "
         f"{memory_needed(layout, cross) / 2**30:.1f} GiB of pools and buffers; "
         f"{bench.rounds} rounds of one sample of every case after 1 warm-up, "
-        f"CPU cache flushed before each sample; load average {load_before:.2f} before, "
+        "CPU cache flushed before each sample but the warm API ones; "
+        f"load average {load_before:.2f} before, "
         f"{os.getloadavg()[0]:.2f} after; {elapsed:.0f} s"
     )
     if note:
