@@ -45,7 +45,8 @@ miss, is deleted, and is counted; one that changed since the lookup (rewritten a
 run that no longer reaches back far enough) is a miss too, and is kept.
 
 In flight. A value queued for a tier is found by ``lookup`` and read by ``load`` from
-memory until its write is over: the host slots it came from are free as soon as it
+memory until its write is over (where it is at least as long as the stored one, which
+the lookup then counted on): the host slots it came from are free as soon as it
 is encoded, so without this a prefix evicted a moment ago would be a miss everywhere
 until the write lands. The values are the queued writes' own (bounded by the bytes in
 flight); a write that fails takes its values out, and they are misses from then on.
@@ -275,9 +276,14 @@ class SpillManager:
                     self._rows[target] = payload[lo - first : hi - first]
                 ok[i] = True
 
-            with self._lock:
+            with self._lock:  # a queued value the lookup counted on (not a shorter one)
                 queued = self._in_flight[run.tier]
-                memory = {i: queued[c.key] for i, c in enumerate(run.chunks) if c.key in queued}
+                memory = {
+                    i: value
+                    for i, c in enumerate(run.chunks)
+                    if (value := queued.get(c.key)) is not None
+                    and len(value) >= self.codec.encoded_nbytes(c.num_blocks)
+                }
             for i, value in memory.items():
                 sink(i, value)
             stored = [i for i in range(len(run.chunks)) if i not in memory]

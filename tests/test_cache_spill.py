@@ -387,6 +387,20 @@ def test_a_run_rewritten_shorter_since_the_lookup_is_a_miss_and_is_kept(tmp_path
     spill.close()
 
 
+def test_a_shorter_run_in_flight_does_not_hide_the_longer_one_stored(tmp_path):
+    host, spill, disk = disk_spill(tmp_path)
+    evict(spill, host, cache_blocks(host, range(0, 4)))
+    assert host.reset()
+    with spill.holding_writes() as held:  # queued, not yet written
+        evict(spill, host, cache_blocks(host, range(2, 4)))
+    (run,), loaded, kv = load(spill, host, 4)
+    assert [(c.start, c.num_blocks) for c in run.chunks] == [(0, 4)]
+    assert loaded == 4 and np.array_equal(kv, KV[:4])  # from the tier, not the queue
+    spill.start_writes(held)
+    spill.flush()
+    spill.close()
+
+
 def test_a_chunk_whose_write_is_in_flight_is_found_and_loaded_from_memory(tmp_path):
     cache, (disk,) = make_cache(tmp_path, disk=True)
     gate = threading.Event()
