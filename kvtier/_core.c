@@ -1395,7 +1395,8 @@ static PyTypeObject BlockTableType = {
 /* ------------------------------------------------------------------ Copier */
 
 /* Block copies between two host buffers on a C worker thread. On CPU a prefetch of
- * host hits is one such copy; run by a Python worker it cost the engine thread a GIL
+ * host hits is one such copy, and so is each value a spill load checks (copied here
+ * while the loading thread hashes it); run by a Python worker it cost the engine thread a GIL
  * hand-off each way (measured: ~100-300 us per request on a 2-core VM, more than the
  * copy of a block), because the woken worker holds the GIL while it runs Python. This
  * thread never takes the GIL: a job is raw pointers and row numbers, checked when it
@@ -1411,7 +1412,8 @@ static PyTypeObject BlockTableType = {
 
 enum { JOB_QUEUED, JOB_RUNNING, JOB_DONE, JOB_CANCELLED };
 #define PIECE_NBYTES ((size_t)256 << 10) /* the unit two threads share a copy in */
-#define SPIN_SECONDS 100e-6 /* how long a waiter polls for the last piece before sleeping */
+#define SPIN_SECONDS 100e-6 /* how long a waiter polls for the last piece, and the worker
+                               for its next job, before sleeping */
 
 typedef struct Job {
     struct Job *next;
@@ -1434,6 +1436,7 @@ typedef struct {
     pthread_cond_t work;  /* the worker waits for jobs */
     pthread_cond_t done;  /* waiters wait for a job to finish */
     Job *head, *tail;
+    atomic_int queued;    /* jobs in the queue, read without the lock by the polling worker */
     int started, stop;
 } Copier;
 
@@ -1507,12 +1510,22 @@ worker_main(void *arg)
     Copier *c = arg;
     pthread_mutex_lock(&c->mu);
     for (;;) {
+        if (c->head == NULL && !c->stop) {
+            /* Poll a while before sleeping: a caller often submits the next job right
+             * after the last (a batch of values), and a wake-up costs tens of us. */
+            pthread_mutex_unlock(&c->mu);
+            const double until = now() + SPIN_SECONDS;
+            while (atomic_load(&c->queued) == 0 && now() < until)
+                sched_yield();
+            pthread_mutex_lock(&c->mu);
+        }
         while (c->head == NULL && !c->stop)
             pthread_cond_wait(&c->work, &c->mu);
         if (c->head == NULL)
             break; /* stopped and drained */
         Job *job = c->head;
         c->head = job->next;
+        atomic_fetch_sub(&c->queued, 1);
         if (c->head == NULL)
             c->tail = NULL;
         pthread_mutex_unlock(&c->mu);
@@ -1702,6 +1715,7 @@ Copier_submit(Copier *self, PyObject *const *args, Py_ssize_t nargs)
     else
         self->head = job;
     self->tail = job;
+    atomic_fetch_add(&self->queued, 1);
     pthread_cond_signal(&self->work);
     pthread_mutex_unlock(&self->mu);
     return (PyObject *)cj;
