@@ -19,6 +19,7 @@ from fs_faults import make_read_only
 from tier_contract import TierContract, make_key, make_value, read_all
 
 from kvtier.config import DiskTierConfig
+from kvtier.tiers import lmdb as lmdb_tier
 from kvtier.tiers.base import TierError
 from kvtier.tiers.lmdb import INITIAL_MAP_CAP, LMDBTier
 
@@ -88,6 +89,62 @@ def test_lru_eviction_evicts_the_least_recently_used(open_tier, tmp_path: Path) 
     assert present(tier, keys) == [0, 2, 3, 4]
     assert tier.usage().nbytes == 4000
     assert tier.evictions == 1
+
+
+EVICT_ONE = """
+    import sys
+    from kvtier.tiers.lmdb import LMDBTier
+    from tier_contract import make_key
+    tier = LMDBTier(sys.argv[1], capacity=4000, chunk_blocks=4)
+    tier.put_many([(make_key("new", 0), b"w" * 1000)])
+    tier.close()
+"""
+
+
+def test_reads_reach_other_processes_once_max_pending_uses_wait(
+    open_tier, tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.setattr(lmdb_tier, "MAX_PENDING_USES", 2)
+    tier = small_tier(open_tier, tmp_path)
+    keys = [make_key("lru", i) for i in range(4)]
+    tier.put_many([(k, b"v" * 1000) for k in keys])  # exactly full
+    read_all(tier, [keys[0]])  # pending: another process would still evict k0
+    read_all(tier, [keys[1]])  # two pending: written
+    finish(run_child(EVICT_ONE, tmp_path))
+    assert present(tier, keys) == [0, 1, 3]
+
+
+HOLD_WRITER = """
+    import sys, time
+    from pathlib import Path
+    import lmdb
+    from kvtier.tiers.lmdb import ENV_OPTIONS
+    env = lmdb.open(sys.argv[1], map_size=1 << 20, **ENV_OPTIONS)
+    with env.begin(write=True):
+        Path(sys.argv[2]).touch()
+        while not Path(sys.argv[3]).exists():
+            time.sleep(0.005)
+"""
+
+
+def test_a_read_does_not_wait_for_another_processes_writer(open_tier, tmp_path) -> None:
+    tier = small_tier(open_tier, tmp_path / "s")
+    key = make_key("r", 0)
+    tier.put_many([(key, b"v" * 1000)])
+    holding, release = tmp_path / "holding", tmp_path / "release"
+    proc = run_child(HOLD_WRITER, tmp_path / "s", holding, release)
+    try:
+        deadline = time.monotonic() + 20
+        while not holding.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.005)
+        reader = threading.Thread(target=read_all, args=(tier, [key]), daemon=True)
+        reader.start()
+        reader.join(timeout=10)
+        assert not reader.is_alive(), "get_many waited for the writer lock"
+    finally:
+        release.touch()
+        finish(proc)
 
 
 @pytest.mark.parametrize("query", ["contains_many", "sizes_many"])

@@ -32,7 +32,11 @@ together with its ``data`` and ``atime`` entries, then writes the value. A value
 than ``capacity`` is skipped (not stored, nothing evicted). Within one batch a later
 value may evict an earlier one; ``put_many`` counts both as stored. ``get_many`` reads in one
 read transaction (values are handed to the sink zero-copy, straight out of the memory
-map) and then bumps the found keys in one short write transaction. Opening a store
+map) and records the keys it found as used in memory: the next write transaction of
+this tier (a put, a delete, or at the latest one of its own once ``MAX_PENDING_USES``
+keys wait, or at ``close``) bumps them first, in the order they were read. So a read
+never waits for LMDB's writer lock nor pays for a commit, and this process's own
+evictions see every read; another process's evictions see them once written. Opening a store
 with a smaller ``capacity`` than it holds evicts down to the new capacity at once.
 
 The memory map grows on demand: it starts at ``min(1.25 * capacity + 16 MiB, 64 MiB)``
@@ -80,7 +84,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
@@ -115,6 +119,7 @@ ENV_OPTIONS: dict[str, object] = {
 }
 MAX_RESIZE_RETRIES = 64  # map resizes one call may go through before it gives up
 KEYS_PAGE = 1024  # keys() reads this many keys per read transaction
+MAX_PENDING_USES = 4096  # reads recorded as uses by the next write at the latest
 
 _VERSION, _NBYTES, _SEQ = b"version", b"nbytes", b"seq"
 _SEQ_LEN = 8
@@ -206,6 +211,9 @@ class LMDBTier(SpillTier):
         self._stats_lock = threading.Lock()
         self._evictions = 0
         self._env: lmdb.Environment | None = None
+        # Keys get_many found, not yet recorded as used (see "Eviction protocol").
+        self._uses: list[bytes] = []
+        self._uses_lock = threading.Lock()
 
         try:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -290,7 +298,10 @@ class LMDBTier(SpillTier):
                 raise TierError(f"{self.name}: LMDB sync failed: {e}") from e
 
     def close(self) -> None:
-        """Flush and close the environment; safe to call more than once."""
+        """Record pending uses, flush and close the environment; safe to call more than once."""
+        if self._env is not None and self._uses:
+            with suppress(TierError):  # uses only order evictions: they may be lost
+                self._run(lambda txn: None, write=True)  # records them
         with self._lock.exclusive():
             if self._env is None:
                 return
@@ -319,16 +330,20 @@ class LMDBTier(SpillTier):
         return self._env
 
     def _run(self, fn: Callable[[lmdb.Transaction], T], *, write: bool) -> T:
-        """``fn(txn)`` in one transaction (``buffers=True``), committed if ``write``.
+        """``fn(txn)`` in one transaction (``buffers=True``), committed if ``write``; a
+        write transaction first records the uses ``get_many`` left pending.
 
         A full map is grown and a map another process grew is adopted, then ``fn``
         runs again in a new transaction; other LMDB errors become ``TierError``.
         """
         for _ in range(MAX_RESIZE_RETRIES):
+            uses = self._take_uses() if write else []
             with self._lock.shared():
                 env = self._check_open()
                 try:
                     with env.begin(write=write, buffers=True) as txn:
+                        if uses:
+                            self._bump(txn, uses)
                         return fn(txn)
                 except lmdb.MapFullError:
                     grow = True
@@ -364,21 +379,37 @@ class LMDBTier(SpillTier):
 
     # --- accounting helpers (inside a write txn) -------------------------------------
 
-    def _touch(self, txn: lmdb.Transaction, key: bytes, seq: int, *, bump: bool = False) -> bool:
-        """Make ``key`` the most recently used, with sequence number ``seq``.
+    def _take_uses(self) -> list[bytes]:
+        """The keys read since the last write transaction, in read order; none left."""
+        with self._uses_lock:
+            uses, self._uses = self._uses, []
+        return uses
 
-        ``bump``: only if it is still stored (a read's key may have been deleted since);
-        returns whether it was touched.
-        """
+    def _bump(self, txn: lmdb.Transaction, keys: list[bytes]) -> None:
+        """Make ``keys`` the most recently used, in order; a key deleted since it was
+        read stays deleted."""
+        replace, delete, put = txn.replace, txn.delete, txn.put
+        atime, lru, meta = self._atime, self._lru, self._meta
+        seq = _int(txn.get(_SEQ, db=meta))
+        # Each key once, at its last use; _touch inlined (a per-key cost).
+        for key in reversed(dict.fromkeys(reversed(keys))):
+            stamp = seq.to_bytes(8, "big")
+            old = replace(key, stamp, db=atime)  # a copy of the old stamp
+            if old is None:  # gone since it was read
+                delete(key, db=atime)
+                continue
+            delete(old + key, db=lru)
+            put(stamp + key, b"", db=lru)
+            seq += 1
+        put(_SEQ, _u64(seq), db=meta)
+
+    def _touch(self, txn: lmdb.Transaction, key: bytes, seq: int) -> None:
+        """Make ``key`` (stored) the most recently used, with sequence number ``seq``."""
         stamp = _u64(seq)
         old = txn.replace(key, stamp, db=self._atime)  # a copy of the old stamp
         if old is not None:
             txn.delete(old + key, db=self._lru)
-        elif bump:  # gone since it was read: leave it gone
-            txn.delete(key, db=self._atime)
-            return False
         txn.put(stamp + key, b"", db=self._lru)
-        return True
 
     def _remove(self, txn: lmdb.Transaction, key: bytes) -> int:
         """Delete ``key`` from all databases; returns its value's length (-1: absent)."""
@@ -472,26 +503,12 @@ class LMDBTier(SpillTier):
             return found
 
         found = self._run(read, write=False)
-        hits = list(dict.fromkeys(bytes(k) for k, f in zip(keys, found) if f))
-        if hits:
-            atime, lru, meta = self._atime, self._lru, self._meta
-
-            def bump(txn: lmdb.Transaction) -> None:
-                # _touch(txn, key, seq, bump=True) for each hit, inlined (per-key cost)
-                replace, delete, put = txn.replace, txn.delete, txn.put
-                seq = _int(txn.get(_SEQ, db=meta))
-                for key in hits:
-                    stamp = seq.to_bytes(8, "big")
-                    old = replace(key, stamp, db=atime)  # a copy of the old stamp
-                    if old is None:  # gone since it was read: leave it gone
-                        delete(key, db=atime)
-                        continue
-                    delete(old + key, db=lru)
-                    put(stamp + key, b"", db=lru)
-                    seq += 1
-                put(_SEQ, _u64(seq), db=meta)
-
-            self._run(bump, write=True)
+        hits = [bytes(k) for k, f in zip(keys, found) if f]
+        with self._uses_lock:
+            self._uses.extend(hits)
+            overdue = len(self._uses) >= MAX_PENDING_USES
+        if overdue:
+            self._run(lambda txn: None, write=True)  # writes the uses
         return found
 
     def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> int:
