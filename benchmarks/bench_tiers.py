@@ -16,8 +16,9 @@ Cases, for each tier (``lmdb``, ``redis``) and chunk size C:
   ``... no contains check``: encode + ``put_many`` only. ``... put_many only``: the
   tier call alone, values encoded beforehand (informational).
 - ``TIER get chunk C``: ``SpillManager.load`` of the batch (the run its ``lookup``
-  returns): one ``tier.get_many`` whose sink decodes every value (header and xxh3
-  checksum checks) and scatters its blocks into host-slab slots. Ceiling: the same
+  returns): one ``tier.get_many`` whose sink checks every value (header, and the xxh3
+  checksum while the codec's copier scatters its blocks into host-slab slots: two
+  cores). Ceiling: the same
   values read raw (an lmdb read transaction of ``get`` with ``buffers=True``, or a
   redis-py pipeline of GET) and copied into a preallocated staging buffer. Target as
   for put. ``... get_many only``: the tier call alone, its sink copying each value
@@ -30,8 +31,10 @@ Cases, for each tier (``lmdb``, ``redis``) and chunk size C:
 - ``encode chunk C`` / ``decode chunk C``: the codec alone, no tier: encode every
   chunk of the batch from slab rows, keeping the values until the batch is done as
   the put path does (ceiling: ``np.take`` of the same rows into new arrays, kept
-  likewise), and decode + scatter every value as the load sink does (ceiling: the
-  same payloads scattered into the same slab rows, unchecked).
+  likewise), and check + scatter every value as the load sink does (``read_header``,
+  ``scatter``; ceiling: the same payloads scattered into the same slab rows with
+  numpy, unchecked). Both run on two cores (the codec's copier copies while the
+  calling thread hashes); every ceiling runs on one.
 
 Puts write keys the store does not hold (each repetition first deletes them, untimed),
 into stores that hold the get batches of every chunk size. Gets read stored values
@@ -305,12 +308,14 @@ class Bench:
             for t, pl in zip(targets, payloads):
                 rows[t] = pl
 
+        slots = [self.dst[ch.start : ch.start + c] for ch in p.chunks]
+
         def decode(_: object) -> None:
-            for ch, v, t in zip(p.chunks, values, targets):
-                header, payload = codec.decode(v, ch.key)
+            for ch, v, s in zip(p.chunks, values, slots):
+                header, payload = codec.read_header(v, ch.key)
                 if (header.first_position, header.num_blocks) != (ch.start, ch.num_blocks):
                     raise AssertionError("wrong chunk")
-                rows[t] = payload
+                codec.scatter(header, payload, rows, s, 0)
 
         def check() -> None:
             self.check_loaded(p)

@@ -69,8 +69,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 
-import numpy as np
-
 from kvtier.block_pool import CachedBlocks
 from kvtier.chunk import BadChunk, ChunkCodec, byte_rows
 from kvtier.host_pool import HostPool
@@ -258,7 +256,7 @@ class SpillManager:
                 chunk = run.chunks[i]
                 lo, hi = los[i], min(ends[i], run.first_block + run.num_blocks)
                 try:
-                    header, payload = self.codec.decode(value, chunk.key)
+                    header, payload = self.codec.read_header(value, chunk.key)
                     first, n = header.first_position, header.num_blocks
                     if first + n != ends[i]:  # a value ends at its key's block
                         raise BadChunk(
@@ -266,14 +264,15 @@ class SpillManager:
                             f"chunk holds blocks {first}+{n}, expected blocks ending at "
                             f"{ends[i] - 1}",
                         )
+                    if first > lo:  # rewritten since the lookup as a shorter run: a miss
+                        return
+                    # Copies blocks [lo, hi) (none when all are there already) and
+                    # checks the whole payload.
+                    dst = slots[lo - base : hi - base] if lo < hi else ()
+                    self.codec.scatter(header, payload, self._rows, dst, lo - first)
                 except BadChunk as e:
                     result.bad.append((run.tier, chunk.key, e.reason))
                     return
-                if first > lo:  # rewritten since the lookup as a shorter run: a miss
-                    return
-                if lo < hi:
-                    target = np.asarray(slots[lo - base : hi - base])
-                    self._rows[target] = payload[lo - first : hi - first]
                 ok[i] = True
 
             with self._lock:  # a queued value the lookup counted on (not a shorter one)
@@ -367,6 +366,7 @@ class SpillManager:
         """Finish queued writes and close every tier."""
         self.flush()
         self._writers.shutdown(wait=True)
+        self.codec.close()
         for tier in self.tiers:
             tier.close()
 

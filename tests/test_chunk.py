@@ -113,6 +113,37 @@ def test_decode_of_read_only_memoryview_is_zero_copy():
     assert np.shares_memory(blocks, np.frombuffer(value, dtype=np.uint8))
 
 
+def test_scatter_copies_the_blocks_from_skip_into_the_given_rows():
+    codec = ChunkCodec(SMALL)
+    src = random_slab(SMALL)
+    value = codec.encode(KEY, 8, byte_rows(src), ROWS)
+    header, payload = codec.read_header(value, KEY)
+    dst = byte_rows(torch.zeros_like(src))
+    codec.scatter(header, payload, dst, [7, 1], 2)
+    assert np.array_equal(dst[[7, 1]], byte_rows(src)[ROWS[2:]])
+    assert not dst[[0, 2, 3, 4, 5, 6]].any()
+
+
+@pytest.mark.parametrize("block", [0, 3], ids=["a copied block", "a block not copied"])
+def test_scatter_checks_the_whole_payload(block: int):
+    codec = ChunkCodec(SMALL)
+    value = bytearray(codec.encode(KEY, 8, byte_rows(random_slab(SMALL)), ROWS))
+    value[codec.header_nbytes + block * codec.block_nbytes] ^= 1
+    header, payload = codec.read_header(value, KEY)
+    dst = byte_rows(torch.zeros_like(random_slab(SMALL)))
+    with pytest.raises(BadChunk) as info:
+        codec.scatter(header, payload, dst, [0, 1], 0)
+    assert info.value.reason == "checksum"
+
+
+def test_read_header_leaves_the_checksum_to_scatter():
+    codec = ChunkCodec(SMALL)
+    value = bytearray(valid_value(codec))
+    value[-1] ^= 1
+    header, payload = codec.read_header(value, KEY)
+    assert header.num_blocks == len(ROWS) and len(payload) == header.payload_nbytes
+
+
 def test_encoded_length_matches_encoded_nbytes():
     codec = ChunkCodec(KVLayout(2, 2, 4, 2, 8, torch.bfloat16))
     slab = byte_rows(random_slab(codec.layout, num_slots=40))
