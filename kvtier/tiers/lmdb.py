@@ -336,8 +336,8 @@ class LMDBTier(SpillTier):
         A full map is grown and a map another process grew is adopted, then ``fn``
         runs again in a new transaction; other LMDB errors become ``TierError``.
         """
+        uses = self._take_uses() if write else []  # written by whichever attempt commits
         for _ in range(MAX_RESIZE_RETRIES):
-            uses = self._take_uses() if write else []
             with self._lock.shared():
                 env = self._check_open()
                 try:
