@@ -58,6 +58,7 @@ import numpy as np
 import torch
 
 from kvtier._core import Copier, CopyJob
+from kvtier.chunk import byte_rows
 
 T = TypeVar("T")
 _WIDE = torch.complex128  # 16-byte elements: the widest dtype torch has
@@ -366,8 +367,5 @@ class TransferEngine:
         """``t`` (contiguous, on the CPU, ``[rows, ...]``) as a uint8 ``[rows, bytes]`` view."""
         cached = self._rows.get(id(t))
         if cached is None or cached[0] is not t:
-            if t.device.type != "cpu" or not t.is_contiguous() or not t.dim():
-                raise ValueError("a background copy needs contiguous CPU tensors")
-            rows = t.detach().view(torch.uint8).reshape(t.shape[0], -1).numpy()
-            cached = self._rows[id(t)] = (t, rows)
+            cached = self._rows[id(t)] = (t, byte_rows(t))  # ValueError for another tensor
         return cached[1]

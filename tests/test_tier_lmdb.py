@@ -63,6 +63,16 @@ def run_child(script: str, *args: object, timeout: float = 30) -> subprocess.Pop
     )
 
 
+def await_files(paths: list[Path], procs: list[subprocess.Popen[str]], timeout: float = 20) -> None:
+    """Wait until the children have made every path; fail, with the output of any child
+    that exited, if one exits first or time runs out."""
+    deadline = time.monotonic() + timeout
+    while not all(path.exists() for path in paths):
+        exited = [p for p in procs if p.poll() is not None]
+        assert not exited and time.monotonic() < deadline, [p.communicate() for p in exited]
+        time.sleep(0.005)
+
+
 def finish(proc: subprocess.Popen[str], timeout: float = 30) -> str:
     out, err = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, f"child failed ({proc.returncode}):\n{out}\n{err}"
@@ -134,10 +144,7 @@ def test_a_read_does_not_wait_for_another_processes_writer(open_tier, tmp_path) 
     holding, release = tmp_path / "holding", tmp_path / "release"
     proc = run_child(HOLD_WRITER, tmp_path / "s", holding, release)
     try:
-        deadline = time.monotonic() + 20
-        while not holding.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.005)
+        await_files([holding], [proc])
         reader = threading.Thread(target=read_all, args=(tier, [key]), daemon=True)
         reader.start()
         reader.join(timeout=10)
@@ -371,12 +378,7 @@ def test_two_processes_share_one_store(open_tier, tmp_path: Path) -> None:
     sync.mkdir()
     store = tmp_path / "s"
     procs = [run_child(SHARER, store, me, other, sync) for me, other in (("a", "b"), ("b", "a"))]
-    deadline = time.monotonic() + 20
-    while not all((sync / f"ready-{me}").exists() for me in "ab"):
-        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), [
-            p.communicate() for p in procs if p.poll() is not None
-        ]
-        time.sleep(0.01)
+    await_files([sync / f"ready-{me}" for me in "ab"], procs)
     (sync / "go").touch()
     outs = [finish(p) for p in procs]
     for out in outs:
