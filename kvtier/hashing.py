@@ -28,10 +28,8 @@ xxh3_128 inlined from the vendored ``xxhash.h``); its digests are the bytes of
 
 from __future__ import annotations
 
-import array
 import hashlib
 import struct
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -39,7 +37,7 @@ import numpy as np
 import torch
 import xxhash
 
-from kvtier._core import chain_hashes
+from kvtier._core import chain_hashes, pack_tokens
 
 HASH_NBYTES = 16
 ALGORITHMS = ("xxh3_128", "sha256")
@@ -128,13 +126,7 @@ def token_bytes(token_ids: TokenIds) -> bytes:
         if token_ids.size and (token_ids.min() < 0 or token_ids.max() >= 2**32):
             raise ValueError("token ids must be in [0, 2**32)")
         return np.ascontiguousarray(token_ids, dtype="<u4").tobytes()
-    try:
-        arr = array.array("I", token_ids)
-    except OverflowError:
-        raise ValueError("token ids must be in [0, 2**32)") from None
-    if sys.byteorder == "big":
-        arr.byteswap()
-    return arr.tobytes()
+    return pack_tokens(token_ids)
 
 
 class BlockHasher:

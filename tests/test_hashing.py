@@ -77,6 +77,8 @@ def test_list_numpy_and_tensor_tokens_hash_alike():
     expected = hasher().hash_blocks(tokens)
     assert hasher().hash_blocks(np.array(tokens, dtype=np.int64)) == expected
     assert hasher().hash_blocks(torch.tensor(tokens)) == expected
+    assert hasher().hash_blocks(tuple(tokens)) == expected
+    assert hasher().hash_blocks(range(7, 39)) == expected
 
 
 @pytest.mark.parametrize("bad", [[-1, 0, 0, 0], [2**32, 0, 0, 0]])
@@ -85,6 +87,16 @@ def test_out_of_range_token_ids_are_rejected(bad):
         hasher().hash_blocks(bad)
     with pytest.raises(ValueError, match=r"token ids must be in \[0, 2\*\*32\)"):
         hasher().hash_blocks(np.array(bad, dtype=np.int64))
+
+
+def test_token_ids_beyond_64_bits_are_rejected():
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 2\*\*32\)"):
+        hasher().hash_blocks([2**70, 0, 0, 0])
+
+
+def test_a_token_id_that_is_not_an_int_is_rejected_by_position():
+    with pytest.raises(TypeError, match="token id 2 is float, not an int"):
+        hasher().hash_blocks([1, 2, 3.0, 4])
 
 
 def test_model_layout_and_salt_each_give_a_disjoint_namespace():
