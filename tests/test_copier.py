@@ -37,6 +37,19 @@ def test_a_job_copies_exactly_the_given_rows(copier, row: int) -> None:
     assert np.array_equal(dst, expected)
 
 
+@pytest.mark.parametrize("dst_offset", range(0, 17, 3))
+@pytest.mark.parametrize("row", [4095, 4096, 64 * 1000 + 13])
+def test_streaming_copies_are_exact_at_any_alignment_and_length(copier, row, dst_offset) -> None:
+    # Rows of 4 KiB and more bypass the caches (16-byte aligned streaming stores): the
+    # unaligned head and the tail shorter than 64 bytes go through memcpy.
+    src = rows(3, row)
+    raw = np.zeros(3 * row + dst_offset, np.uint8)
+    dst = raw[dst_offset:].reshape(3, row)
+    copier.submit(src, [2, 0], dst, [0, 2], row).wait()
+    assert np.array_equal(dst[[0, 2]], src[[2, 0]]) and not dst[1].any()
+    assert not raw[:dst_offset].any()
+
+
 def test_many_jobs_match_numpy_fancy_indexing(copier) -> None:
     rng = np.random.default_rng(1)
     src, dst = rows(64, 96), np.zeros((64, 96), np.uint8)
