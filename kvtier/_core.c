@@ -714,6 +714,24 @@ typedef struct {
         __builtin_prefetch(&(t)->parent[(b) * KEY_NBYTES], 1); \
     } while (0)
 
+/* items[0:n] (ints) into out, each checked to be in [0, limit); the IndexError names
+ * the bad one as ``what`` ("block id", "source row", ...). */
+static int
+ids_in_range(PyObject **items, Py_ssize_t n, Py_ssize_t limit, int64_t *out, const char *what)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t v = PyLong_AsSsize_t(items[i]);
+        if (v == -1 && PyErr_Occurred())
+            return -1;
+        if (v < 0 || v >= limit) {
+            PyErr_Format(PyExc_IndexError, "%s %zd out of range [0, %zd)", what, v, limit);
+            return -1;
+        }
+        out[i] = v;
+    }
+    return 0;
+}
+
 /* A sequence of block ids as a malloc'd int64 array (caller frees with PyMem_Free),
  * each checked to be in [0, n). */
 static Py_ssize_t
@@ -729,24 +747,14 @@ parse_ids(const BlockTable *t, PyObject *obj, int64_t **out)
         PyErr_NoMemory();
         return -1;
     }
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t b = PyLong_AsSsize_t(items[i]);
-        if (b == -1 && PyErr_Occurred())
-            goto fail;
-        if (b < 0 || b >= t->n) {
-            PyErr_Format(PyExc_IndexError, "block id %zd out of range [0, %zd)", b, t->n);
-            goto fail;
-        }
-        ids[i] = b;
+    if (ids_in_range(PySequence_Fast_ITEMS(seq), n, t->n, ids, "block id") < 0) {
+        PyMem_Free(ids);
+        Py_DECREF(seq);
+        return -1;
     }
     Py_DECREF(seq);
     *out = ids;
     return n;
-fail:
-    PyMem_Free(ids);
-    Py_DECREF(seq);
-    return -1;
 }
 
 static PyObject *
@@ -1719,21 +1727,9 @@ get_row_ids(PyObject *obj, int64_t *out, Py_ssize_t n, Py_ssize_t limit, const c
         Py_DECREF(seq);
         return -1;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t r = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(seq, i));
-        if (r == -1 && PyErr_Occurred()) {
-            Py_DECREF(seq);
-            return -1;
-        }
-        if (r < 0 || r >= limit) {
-            PyErr_Format(PyExc_IndexError, "%s row %zd out of range [0, %zd)", what, r, limit);
-            Py_DECREF(seq);
-            return -1;
-        }
-        out[i] = r;
-    }
+    int rc = ids_in_range(PySequence_Fast_ITEMS(seq), n, limit, out, what);
     Py_DECREF(seq);
-    return 0;
+    return rc;
 }
 
 PyDoc_STRVAR(submit_doc,
@@ -1785,8 +1781,8 @@ Copier_submit(Copier *self, PyObject *const *args, Py_ssize_t nargs)
     cj->job = job;
     if (get_rows(args[0], &cj->src, PyBUF_SIMPLE, row, &src_rows, "src") < 0 ||
         get_rows(args[2], &cj->dst, PyBUF_WRITABLE, row, &dst_rows, "dst") < 0 ||
-        get_row_ids(args[1], rows, n, src_rows, "source") < 0 ||
-        get_row_ids(args[3], rows + n, n, dst_rows, "destination") < 0) {
+        get_row_ids(args[1], rows, n, src_rows, "source row") < 0 ||
+        get_row_ids(args[3], rows + n, n, dst_rows, "destination row") < 0) {
         Py_DECREF(cj);
         return NULL;
     }
