@@ -20,6 +20,7 @@ import redis
 import redis.connection
 from redis_servers import (
     LOCAL_HOST,
+    LOCAL_URL,
     Backend,
     LocalCluster,
     RedisServer,
@@ -147,9 +148,10 @@ def test_response_errors_are_tier_errors(backend: Backend) -> None:
     tier = backend.tier()
     k = make_key("wrongtype")
     backend.admin.hset(tier.redis_key(k), "field", "value")  # not a string value
-    with pytest.raises(TierError) as err:
-        read_all(tier, [make_key("fine"), k])
-    assert isinstance(err.value.__cause__, redis.ResponseError)
+    for call in (read_all, RedisTier.sizes_many):
+        with pytest.raises(TierError) as err:
+            call(tier, [make_key("fine"), k])
+        assert isinstance(err.value.__cause__, redis.ResponseError)
 
 
 def test_a_closed_tier_raises_tier_error(backend: Backend) -> None:
@@ -209,6 +211,59 @@ def test_a_batch_of_256_keys_is_one_round_trip(backend: Backend, socket_writes: 
         assert tier.commands_sent == sent + 256
         if backend.kind != "fake":  # what actually went over the sockets
             assert len(socket_writes) - writes == nodes
+
+
+def test_sizes_of_256_keys_are_one_round_trip_and_one_command_on_a_single_server(
+    backend: Backend, socket_writes: list[int]
+) -> None:
+    tier = backend.tier()
+    keys = [make_key("sz", i) for i in range(256)]
+    tier.put_many([(k, b"v" * (i + 1)) for i, k in enumerate(keys[::2])])
+    tier.sizes_many(keys[:1])  # warm the connections; learns whether the server runs scripts
+    before, sent, writes = tier.round_trips, tier.commands_sent, len(socket_writes)
+    assert tier.sizes_many(keys) == [0 if i % 2 else i // 2 + 1 for i in range(256)]
+    assert tier.round_trips == before + 1
+    # fakeredis runs no scripts and a cluster's keys span slots: one STRLEN per key there.
+    assert tier.commands_sent == sent + (1 if backend.kind == "real" else 256)
+    if backend.kind == "real":
+        assert len(socket_writes) - writes == 1
+
+
+def test_sizes_fall_back_to_a_pipeline_on_a_server_without_scripting(
+    request: pytest.FixtureRequest,
+) -> None:
+    b = make_backend("fake", request)  # fakeredis has no EVAL without lupa
+    tier = b.tier()
+    keys = [make_key("nosc", i) for i in range(8)]
+    tier.put_many([(keys[0], b"abc")])
+    assert tier.sizes_many(keys) == [3] + [0] * 7
+    assert tier.round_trips == 3  # the put, the refused script, the pipeline
+    assert tier.sizes_many(keys) == [3] + [0] * 7
+    assert tier.round_trips == 4 and tier.commands_sent == 1 + 1 + 8 + 8
+    b.finish()
+
+
+@pytest.mark.redis
+def test_sizes_fall_back_to_a_pipeline_when_the_acl_denies_scripts(real_client: Any) -> None:
+    user, password = f"kvtest-{unique_prefix()}", "kvtest-pw"
+    real_client.acl_setuser(
+        user, enabled=True, passwords=[f"+{password}"], keys=["*"], categories=["+@all"],
+        commands=["-eval", "-evalsha", "-eval_ro", "-evalsha_ro"],
+    )  # fmt: skip
+    prefix = unique_prefix()
+    tier = config_tier(url=LOCAL_URL, username=user, password=password)(prefix, "ns", None, 4)
+    try:
+        keys = [make_key("acl", i) for i in range(8)]
+        tier.put_many([(keys[1], b"abcd")])
+        before = tier.round_trips
+        assert tier.sizes_many(keys) == [0, 4] + [0] * 6
+        assert tier.round_trips == before + 2  # the refused script, then the pipeline
+        assert tier.sizes_many(keys) == [0, 4] + [0] * 6
+        assert tier.round_trips == before + 3
+    finally:
+        tier.clear()
+        tier.close()
+        real_client.acl_deluser(user)
 
 
 def test_counters_are_exact_under_threads(backend: Backend) -> None:

@@ -30,6 +30,17 @@ Round-trip budget (design rule 5)
     with SCAN (every primary in a cluster) and are for inspection and tooling, not
     hot paths.
 
+    ``sizes_many`` is what every lookup asks (a 4k-token prompt: 256 keys), and
+    redis-py spends ~15 µs of Python per pipelined command, building it and parsing
+    its reply. On a single server it is therefore one command instead:
+    ``EVAL`` of a read-only script (``_SIZES_SCRIPT``) that runs the STRLENs and
+    returns them as one msgpack array. 256 keys: ~1 ms instead of ~4.4 ms, both
+    one round trip. A server that cannot run it (Redis < 7, scripting disabled or
+    denied by ACL, no ``cmsgpack``, fakeredis) answers the first try with an
+    error; from then on that tier uses the pipeline, and that first call costs
+    one round trip more. A cluster always uses the pipeline: a script's keys must
+    share one slot.
+
 TTL and eviction
     With ``ttl`` set, every write sets that expiry and every read hit refreshes it
     (GETEX), so chunks in use stay and unused ones age out. ``ttl=None`` writes
@@ -69,10 +80,12 @@ Threads
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+import msgpack
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
@@ -84,6 +97,7 @@ from redis.exceptions import (
     OutOfMemoryError,
     RedisClusterException,
     RedisError,
+    ResponseError,
     TryAgainError,
 )
 from redis.retry import Retry
@@ -94,6 +108,8 @@ if TYPE_CHECKING:
     from kvtier.config import RedisTierConfig
 
 __all__ = ["RedisTier", "namespace_for"]
+
+log = logging.getLogger(__name__)
 
 # What a tier call can raise from redis-py, its sockets or its cluster machinery.
 _REDIS_ERRORS: tuple[type[BaseException], ...] = (RedisError, RedisClusterException, OSError)
@@ -107,6 +123,13 @@ _REDIRECTS: tuple[type[BaseException], ...] = (
 _HEALTH_CHECK_INTERVAL = 30.0  # seconds idle before a pooled connection is PINGed
 _SCAN_COUNT = 1000  # SCAN page size hint
 _GLOB_SPECIAL = frozenset(b"*?[]\\")
+# STRLEN of every key, as one msgpack array (see "Round-trip budget"). ``no-writes``
+# lets Redis run it on a replica and at maxmemory, like the STRLENs themselves.
+_SIZES_SCRIPT = """#!lua flags=no-writes
+local sizes = {}
+for i, key in ipairs(KEYS) do sizes[i] = redis.call('STRLEN', key) end
+return cmsgpack.pack(sizes)
+"""
 
 Client = redis.Redis | RedisCluster
 
@@ -183,6 +206,7 @@ class RedisTier(SpillTier):
         self._match = _glob_escape(self._prefix) + b"*"
         self._lock = threading.Lock()
         self._closed = False
+        self._sizes_by_script = not self.is_cluster  # until the server refuses the script
 
     # --- construction ---------------------------------------------------------------
 
@@ -300,7 +324,12 @@ class RedisTier(SpillTier):
         if not keys:
             self._check_open()
             return []
-        results = self._batch(lambda pipe: [pipe.strlen(self.redis_key(k)) for k in keys])
+        redis_keys = [self.redis_key(k) for k in keys]
+        if self._sizes_by_script:
+            sizes = self._script_sizes(redis_keys)
+            if sizes is not None:
+                return sizes
+        results = self._batch(lambda pipe: [pipe.strlen(k) for k in redis_keys])
         return [int(r) for r in results]
 
     def get_many(self, keys: Sequence[bytes], sink: ValueSink) -> list[bool]:
@@ -418,6 +447,31 @@ class RedisTier(SpillTier):
         except _REDIS_ERRORS as e:
             raise self._fail(e) from e
         return self._check_results(results, skip)
+
+    def _script_sizes(self, redis_keys: list[bytes]) -> list[int] | None:
+        """STRLEN of each key through ``_SIZES_SCRIPT`` (one command); None, and the
+        pipeline from then on, when the server answers that it cannot run it. A key
+        that holds no string is a ``TierError``, as in the pipeline."""
+        self._check_open()
+        self._count(1, 1)
+        try:
+            packed = self.client.eval(_SIZES_SCRIPT, len(redis_keys), *redis_keys)
+        except ResponseError as e:
+            if str(e).startswith("WRONGTYPE"):
+                raise self._fail(e) from e
+            self._sizes_by_script = False
+            log.info(
+                "kvtier: %r asks sizes with a pipeline: the server cannot run a script (%s)",
+                self,
+                e,
+            )
+            return None
+        except _REDIS_ERRORS as e:
+            raise self._fail(e) from e
+        sizes = msgpack.unpackb(packed) if isinstance(packed, bytes) else None
+        if not isinstance(sizes, list) or len(sizes) != len(redis_keys):
+            raise TierError(f"{self!r}: the sizes script returned {packed!r:.80}")
+        return sizes
 
     def _check_results(
         self, results: list[Any], skip: tuple[type[BaseException], ...] = ()
