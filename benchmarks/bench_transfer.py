@@ -552,6 +552,10 @@ class PrefetchAPI:
                 assert after.blocks_in == self.before.blocks_in, "the request offloaded blocks"
                 assert after.blocks_out == self.before.blocks_out + n
                 copy = after.copy_seconds - self.before.copy_seconds
+                if i < warmup_here:
+                    continue
+                # Only after the timed request: a raw copy between warm-up requests (plain
+                # stores of up to 512 MiB) would empty the CPU cache they warm.
                 pair = (list(hit.host_slots), table[:n])
 
                 def setup(pair: tuple[list[int], list[int]] = pair, cold: bool = cold):
@@ -560,8 +564,6 @@ class PrefetchAPI:
                     return pair
 
                 raw = measure_samples(self.raw_copy, 1, 0, setup=setup)[0]
-                if i < warmup_here:
-                    continue
                 out.total.append(total)
                 out.copy.append(copy)
                 out.raw.append(raw)
