@@ -301,7 +301,7 @@ class LMDBTier(SpillTier):
         """Record pending uses, flush and close the environment; safe to call more than once."""
         if self._env is not None and self._uses:
             with suppress(TierError):  # uses only order evictions: they may be lost
-                self._run(lambda txn: None, write=True)  # records them
+                self._write_uses()
         with self._lock.exclusive():
             if self._env is None:
                 return
@@ -378,6 +378,11 @@ class LMDBTier(SpillTier):
         return TierError(f"{self.name}: LMDB error on {self.path}: {e}")
 
     # --- accounting helpers (inside a write txn) -------------------------------------
+
+    def _write_uses(self) -> None:
+        """A write transaction of its own, for the uses ``get_many`` left pending (every
+        write transaction records them first)."""
+        self._run(lambda txn: None, write=True)
 
     def _take_uses(self) -> list[bytes]:
         """The keys read since the last write transaction, in read order; none left."""
@@ -508,7 +513,7 @@ class LMDBTier(SpillTier):
             self._uses.extend(hits)
             overdue = len(self._uses) >= MAX_PENDING_USES
         if overdue:
-            self._run(lambda txn: None, write=True)  # writes the uses
+            self._write_uses()
         return found
 
     def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> int:
