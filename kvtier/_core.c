@@ -1541,7 +1541,7 @@ copy_streaming(char *dst, const char *src, size_t len)
 {
 #if defined(__SSE2__)
     size_t head = (16 - ((uintptr_t)dst & 15)) & 15; /* streaming stores need 16-byte alignment */
-    if (len < 4096 || head >= len) {
+    if (len < 4096) { /* short rows: memcpy; a longer one always outlasts head (< 16) */
         memcpy(dst, src, len);
         return;
     }
