@@ -13,8 +13,12 @@ Cases, for each tier (``lmdb``, ``redis``) and chunk size C:
   (an environment opened with the tier's flags: ``sync=False, metasync=False,
   writemap=False``), or one redis-py ``pipeline(transaction=False)`` of SET.
   Target: >= 0.7 of the ceiling for chunks of 8+ blocks (informational for chunk 1).
-  ``... no contains check``: encode + ``put_many`` only. ``... put_many only``: the
-  tier call alone, values encoded beforehand (informational).
+  ``... vs raw on a write worker``: the same samples against the same raw write run
+  on a worker thread, as the cache's writes are (one ``ThreadPoolExecutor`` worker, the
+  caller waiting for it), sampled alongside: how much of the gap is the thread rather
+  than kvtier (informational). On a small machine that also runs the Redis server, the
+  scheduler often puts a freshly woken worker on the server's core.
+  ``... put_many only``: the tier call alone, values encoded beforehand (informational).
 - ``TIER get chunk C``: ``SpillManager.load`` of the batch (the run its ``lookup``
   returns): one ``tier.get_many`` whose sink checks every value (header, and the xxh3
   checksum while the codec's copier scatters its blocks into host-slab slots: two
@@ -73,6 +77,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -154,6 +159,9 @@ class Case:
     samples: list[float] = field(default_factory=list)
     check: Callable[[], None] = lambda: None  # runs after each batch of samples
     faults: list[int] = field(default_factory=list)  # minor page faults of each call
+    # A raw case sampled in the group of the cases before it, alternating with them.
+    joins_group: bool = False
+    worker_ceiling: str | None = None  # the raw case run on a worker thread, if any
 
     def timed(self, arg: Any) -> None:
         """``fn(arg)``, counting the page faults it takes (a fresh page costs µs)."""
@@ -207,6 +215,7 @@ class Bench:
         self.raw_redis: redis.Redis | None = None
         self.raw_redis_keys: list[bytes] = []
         self.redis_error: str | None = None
+        self.raw_writer = ThreadPoolExecutor(1, thread_name_prefix="raw-writer")
 
     # ------------------------------------------------------------- data
     def prompt(self, c: int, published: bool = False) -> Prompt:
@@ -520,9 +529,15 @@ class Bench:
         n = put.nbytes
         add, thr = self.add, "throughput"
         raw = f"raw {name} put chunk {c}"
+        on_worker = f"{raw} on a write worker"
         add(Case(raw, raw_put, raw_setup, "raw", n))
         add(Case(f"{name} put chunk {c}", put_full, setup, thr, n, raw, PUT_CEILING[name],
-                 target, check=check_put))  # fmt: skip
+                 target, check=check_put, worker_ceiling=on_worker))  # fmt: skip
+
+        def raw_put_on_worker(arg: object) -> None:
+            self.raw_writer.submit(raw_put, arg).result()
+
+        add(Case(on_worker, raw_put_on_worker, raw_setup, "raw", n, joins_group=True))
         raw = f"raw {name} put chunk {c} prebuilt values"
         add(Case(raw, raw_put_prebuilt, raw_setup, "raw", n))
         stored_all = _expect(stored_only, len(put.keys), "stored")
@@ -548,7 +563,7 @@ class Bench:
             self.add_redis(c)
         groups: list[list[Case]] = []  # a raw case and the kvtier cases it is the ceiling of
         for case in self.cases:
-            if case.kind == "raw" or not groups:
+            if (case.kind == "raw" and not case.joins_group) or not groups:
                 groups.append([])
             groups[-1].append(case)
         steps = [(r, g) for r in range(self.rounds) for g in groups]
@@ -564,6 +579,7 @@ class Bench:
 
     def close(self) -> None:
         """Close every store and delete everything this run wrote."""
+        self.raw_writer.shutdown()
         for tier in self.lmdb_tiers:
             tier.close()
         for env in self.raw_envs:
@@ -606,6 +622,19 @@ class Bench:
                         target=case.target,
                     )
                 )
+                if case.worker_ceiling:
+                    rows.append(
+                        Result(
+                            case=f"{case.name} vs raw on a write worker",
+                            metric="throughput, value bytes per second",
+                            unit="GB/s",
+                            value=value,
+                            min=lo,
+                            max=hi,
+                            ceiling=_throughput(by_name[case.worker_ceiling])[0],
+                            ceiling_what=f"{case.ceiling_what}, run on a worker thread",
+                        )
+                    )
             else:
                 med, lo, hi = (x * 1e6 for x in summarize(case.samples))
                 rows.append(
@@ -660,7 +689,7 @@ def _case_order(name: str) -> tuple[int, int, int, int]:
     op = next((i for i, w in enumerate(("put", "get", "lookup")) if w in words), 0)
     c = int(words[words.index("chunk") + 1])
     rest = " ".join(words[words.index("chunk") + 2 :])
-    variant = ("", "put_many only", "get_many only", "4k tokens")
+    variant = ("", "vs raw on a write worker", "put_many only", "get_many only", "4k tokens")
     return group, op, c, variant.index(rest) if rest in variant else len(variant)
 
 
