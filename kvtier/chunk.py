@@ -211,10 +211,7 @@ class ChunkCodec:
         if not 0 <= first_position <= _U64_MAX:
             raise ValueError(f"first_position must be in [0, 2**64), got {first_position}")
         bn = self.block_nbytes
-        if src.dtype != np.uint8 or src.ndim != 2 or src.shape[1] != bn:
-            raise TypeError(
-                f"src must be a uint8 array [num_slots, {bn}], got {src.dtype} {src.shape}"
-            )
+        self._check_rows_array(src, "src")
         rows = rows.tolist() if isinstance(rows, np.ndarray) else list(rows)
         if not rows:
             raise ValueError("rows must be a non-empty sequence")
@@ -274,11 +271,7 @@ class ChunkCodec:
         copy: the rows written then hold garbage. Bad arguments raise before anything
         is copied.
         """
-        if dst.dtype != np.uint8 or dst.ndim != 2 or dst.shape[1] != self.block_nbytes:
-            raise TypeError(
-                f"dst must be a uint8 array [num_slots, {self.block_nbytes}], "
-                f"got {dst.dtype} {dst.shape}"
-            )
+        self._check_rows_array(dst, "dst")
         src_rows = range(skip, skip + len(dst_rows))
         job = self._copier.submit(payload, src_rows, dst, dst_rows, self.block_nbytes)
         actual = xxhash.xxh3_64_intdigest(payload, header.first_position)  # GIL released
@@ -384,6 +377,15 @@ class ChunkCodec:
             raise BadChunk("length", f"expected {length} payload bytes, found {present}")
         header = ChunkHeader(version, fp, hkey, n, pos, length, checksum)
         return header, mv[start:]
+
+    def _check_rows_array(self, a: np.ndarray, name: str) -> None:
+        """TypeError naming ``name`` unless ``a`` is a ``byte_rows`` array of this layout's
+        blocks (uint8 ``[num_slots, block_nbytes]``)."""
+        bn = self.block_nbytes
+        if a.dtype != np.uint8 or a.ndim != 2 or a.shape[1] != bn:
+            raise TypeError(
+                f"{name} must be a uint8 array [num_slots, {bn}], got {a.dtype} {a.shape}"
+            )
 
     def peek(self, value: bytes | bytearray | memoryview) -> ChunkHeader | None:
         """The header of a value in this codec's fixed form, checking nothing else (not
