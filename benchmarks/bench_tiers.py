@@ -78,7 +78,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -609,30 +609,26 @@ class Bench:
             ceiling = by_name[case.ceiling] if case.ceiling else None
             if case.kind == "throughput":
                 value, lo, hi = _throughput(case)
-                rows.append(
-                    Result(
-                        case=case.name,
-                        metric="throughput, value bytes per second",
-                        unit="GB/s",
-                        value=value,
-                        min=lo,
-                        max=hi,
-                        ceiling=_throughput(ceiling)[0] if ceiling else None,
-                        ceiling_what=case.ceiling_what,
-                        target=case.target,
-                    )
+                row = Result(
+                    case=case.name,
+                    metric="throughput, value bytes per second",
+                    unit="GB/s",
+                    value=value,
+                    min=lo,
+                    max=hi,
+                    ceiling=_throughput(ceiling)[0] if ceiling else None,
+                    ceiling_what=case.ceiling_what,
+                    target=case.target,
                 )
-                if case.worker_ceiling:
+                rows.append(row)
+                if case.worker_ceiling:  # the same samples, informational
                     rows.append(
-                        Result(
+                        replace(
+                            row,
                             case=f"{case.name} vs raw on a write worker",
-                            metric="throughput, value bytes per second",
-                            unit="GB/s",
-                            value=value,
-                            min=lo,
-                            max=hi,
                             ceiling=_throughput(by_name[case.worker_ceiling])[0],
                             ceiling_what=f"{case.ceiling_what}, run on a worker thread",
+                            target=None,
                         )
                     )
             else:
