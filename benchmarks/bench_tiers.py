@@ -33,12 +33,12 @@ Cases, for each tier (``lmdb``, ``redis``) and chunk size C:
   C 4k tokens round trips``: ``RedisTier.round_trips`` per lookup (the most any timed
   lookup took); target <= 1.
 - ``encode chunk C`` / ``decode chunk C``: the codec alone, no tier: encode every
-  chunk of the batch from slab rows, keeping the values until the batch is done as
-  the put path does (ceiling: ``np.take`` of the same rows into new arrays, kept
-  likewise), and check + scatter every value as the load sink does (``read_header``,
-  ``scatter``; ceiling: the same payloads scattered into the same slab rows with
-  numpy, unchecked). Both run on two cores (the codec's copier copies while the
-  calling thread hashes); every ceiling runs on one.
+  chunk of the batch from slab rows with one ``encode_many``, keeping the values
+  until the batch is done, as the put path does (ceiling: ``np.take`` of the same
+  rows into new arrays, kept likewise), and check + scatter every value as the load
+  sink does (``read_header``, ``scatter``; ceiling: the same payloads scattered into
+  the same slab rows with numpy, unchecked). Both run on two cores (the codec's
+  copier copies while the calling thread hashes); every ceiling runs on one.
 
 Puts write keys the store does not hold (each repetition first deletes them, untimed),
 into stores that hold the get batches of every chunk size. Gets read stored values
@@ -306,8 +306,10 @@ class Bench:
         def raw_encode(_: object) -> None:
             _ = [np.take(rows, i, axis=0) for i in idx]
 
+        chunks = [(ch.key, ch.start, s) for ch, s in zip(p.chunks, p.slots)]
+
         def encode(_: object) -> None:
-            _ = [codec.encode(ch.key, ch.start, rows, s) for ch, s in zip(p.chunks, p.slots)]
+            _ = codec.encode_many(rows, chunks)
 
         values = [bytes(v) for v in p.values]  # what a Redis read hands the sink
         targets = [np.asarray(self.dst[ch.start : ch.start + c]) for ch in p.chunks]

@@ -9,8 +9,9 @@ tail first, so a chunk's tail can reach the host, and leave it, before its head)
 The head is written later as a run of its own, ending just before the tail.
 
 Write path. Chunks are built from host slots by walking parent hashes back from a
-run's last block, encoded (one gather into the value) while the slots are still
-valid, and written by an I/O worker:
+run's last block, encoded (``ChunkCodec.encode_many``: each hook call's chunks
+gathered into one buffer of values) while the slots are still valid, and written by
+an I/O worker:
 
 - ``write_back`` tiers: when the host pool evicts slots, the first ``write_back``
   tier in spill order receives each victim's run: the blocks from the victim back to
@@ -464,12 +465,11 @@ class SpillManager:
             return
         nbytes = sum(self.codec.encoded_nbytes(len(slots)) for _, _, slots in chunks)
         if self._reserve(tier, nbytes, sum(len(slots) for _, _, slots in chunks)):
-            items = []
-            for key, start, slots in chunks:
-                value = encoded.get((key, start))
-                if value is None:
-                    value = encoded[key, start] = self.codec.encode(key, start, self._rows, slots)
-                items.append((key, value, len(slots)))
+            todo = [chunk for chunk in chunks if (chunk[0], chunk[1]) not in encoded]
+            if todo:
+                values = self.codec.encode_many(self._rows, todo)
+                encoded.update(((key, start), v) for (key, start, _), v in zip(todo, values))
+            items = [(key, encoded[key, start], len(slots)) for key, start, slots in chunks]
             self._track(tier, items)
             if self._held is not None:
                 self._held.append((tier, items, nbytes))

@@ -231,9 +231,9 @@ class CountingCodec(ChunkCodec):
         super().__init__(layout)
         self.encoded = 0
 
-    def encode(self, *args):
-        self.encoded += 1
-        return super().encode(*args)
+    def encode_many(self, src, chunks):
+        self.encoded += len(chunks)
+        return super().encode_many(src, chunks)
 
 
 def host_with_chain(blocks: int) -> tuple[HostPool, list[int]]:

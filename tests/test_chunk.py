@@ -170,6 +170,32 @@ def test_encode_rejects_out_of_range_rows():
         codec.encode(KEY, 0, slab, [-1])
 
 
+def test_encode_many_values_decode_to_each_chunks_blocks():
+    codec = ChunkCodec(SMALL)
+    slab = byte_rows(random_slab(SMALL))
+    chunks = [(KEY, 8, ROWS), (OTHER_KEY, 0, [7]), (bytes(16), 2**40, [1, 2, 1])]
+    for (key, pos, rows), value in zip(chunks, codec.encode_many(slab, chunks)):
+        header, blocks = codec.decode(value, key)
+        assert (header.first_position, header.num_blocks) == (pos, len(rows))
+        assert np.array_equal(blocks, slab[rows])
+
+
+def test_encode_many_values_are_consecutive_views_of_one_buffer():
+    codec = ChunkCodec(SMALL)
+    slab = byte_rows(random_slab(SMALL))
+    values = codec.encode_many(slab, [(KEY, 0, [0, 1]), (OTHER_KEY, 2, [2])])
+    first, second = (np.frombuffer(v, np.uint8) for v in values)
+    assert values[0].obj is values[1].obj
+    assert second.ctypes.data == first.ctypes.data + len(first)
+
+
+def test_encode_many_rejects_a_bad_chunk_among_good_ones():
+    codec = ChunkCodec(SMALL)
+    slab = byte_rows(random_slab(SMALL))
+    with pytest.raises(ValueError, match=r"rows must be in \[0, 8\), got 0\.\.8"):
+        codec.encode_many(slab, [(KEY, 0, [0, 1]), (OTHER_KEY, 2, [0, 8])])
+
+
 def test_byte_rows_is_a_zero_copy_view_for_bfloat16():
     slab = random_slab(KVLayout(2, 2, 4, 2, 8, torch.bfloat16), num_slots=3)
     rows = byte_rows(slab)
