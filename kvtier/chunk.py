@@ -236,11 +236,11 @@ class ChunkCodec:
             row_lists.append(rows)
         # Not zero-filled: every byte is written below (headers by pack_into, payloads
         # by the copier).
-        buf = np.empty(sum(hlen + len(rows) * bn for rows in row_lists), dtype=np.uint8)
+        buf = np.empty(sum(self.encoded_nbytes(len(rows)) for rows in row_lists), np.uint8)
         out = memoryview(buf)
         values, jobs, offset = [], [], 0
         for rows in row_lists:
-            end = offset + hlen + len(rows) * bn
+            end = offset + self.encoded_nbytes(len(rows))
             jobs.append(
                 self._copier.submit(src, rows, buf[offset + hlen : end], range(len(rows)), bn)
             )
