@@ -21,7 +21,7 @@ class StaleHitError(RuntimeError):
     """A hit's blocks were reused between ``lookup`` and ``allocate``; look up again."""
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestState:
     """What the manager knows about one request.
 
@@ -113,9 +113,10 @@ class BlockManager:
                 raise StaleHitError(f"hit of request {req_id!r} is stale; look it up again")
         num_tokens = (req.num_tokens or len(hit) * self.block_size) + num_new_tokens
         need = -(-num_tokens // self.block_size) - len(req.block_ids) - len(hit)
-        if need > self.pool.num_free - self.pool.num_queued(hit):
+        if need > self.pool.num_free - (self.pool.num_queued(hit) if hit else 0):
             return None
-        self.pool.touch(hit)
+        if hit:  # taken before allocating: the allocation must not evict them
+            self.pool.touch(hit)
         new = self.pool.allocate(max(need, 0))
         if hit:
             req.block_ids.extend(hit)

@@ -54,6 +54,8 @@ from kvtier.tiers.base import SpillTier, TierError, TierUsage
 from kvtier.transfer import Transfer, TransferEngine
 
 log = logging.getLogger(__name__)
+# ``allocate``'s held spill writes when there are no spill tiers: none, ever.
+_NOTHING_HELD = nullcontext(())
 
 
 class LoadError(RuntimeError):
@@ -78,7 +80,7 @@ class PrefixHit:
 
     @property
     def spill_blocks(self) -> int:
-        return sum(run.num_blocks for run in self.spill)
+        return sum([run.num_blocks for run in self.spill]) if self.spill else 0
 
     @property
     def num_tokens(self) -> int:
@@ -95,7 +97,7 @@ class PrefixHit:
         return out
 
 
-@dataclass
+@dataclass(slots=True)
 class _Prefetch:
     """Blocks ``[first, first + len(blocks))`` of a request being filled from pinned host
     slots: ``host_slots`` (host hits) then ``spill_slots`` (loaded from ``runs``).
@@ -268,7 +270,8 @@ class TieredCache:
         self._eager = cpu is not None and cpu.write_policy == "eager"
         self._lock = threading.RLock()
         self._offloads: list[_Offload] = []
-        self._prefetches: dict[Hashable, _Prefetch] = {}
+        self._prefetches: dict[Hashable, _Prefetch] = {}  # until the request is freed
+        self._unsettled: dict[Hashable, _Prefetch] = {}  # until ``_poll`` settles them
         self._metrics: MetricsServer | None = None
         failed: list[str] = []
         if tiers is None and cpu:
@@ -330,7 +333,10 @@ class TieredCache:
             gpu = self.gpu.lookup(wanted)
             host = self.host.lookup(wanted[len(gpu) :]) if self.host else []
             self._count_lookup(len(wanted), len(gpu), len(host))
-        runs = self.spill.lookup(wanted, len(gpu) + len(host)) if self.spill else []
+            if self.spill is None:  # done: no second trip through the lock
+                self._stats.lookup_latency.observe(time.perf_counter() - start)
+                return PrefixHit(self.block_size, tuple(gpu), tuple(host))
+        runs = self.spill.lookup(wanted, len(gpu) + len(host))
         seconds = time.perf_counter() - start
         with self._lock:
             self._stats.lookup_latency.observe(seconds)
@@ -361,7 +367,7 @@ class TieredCache:
             below = len(host_slots) + hit.spill_blocks
             # The spill writes this allocation causes wait for the prefetch's reads: on a
             # full tier they would otherwise evict the very chunks the hit found.
-            with self.spill.holding_writes() if self.spill else nullcontext([]) as held:
+            with self.spill.holding_writes() if self.spill else _NOTHING_HELD as held:
                 try:
                     new = self.manager.allocate(
                         req_id, below * self.block_size + num_new_tokens, list(hit.gpu_blocks)
@@ -432,6 +438,7 @@ class TieredCache:
         completed first. False, a no-op, for an unknown request."""
         with self._lock:
             p = self._prefetches.pop(req_id, None)
+            self._unsettled.pop(req_id, None)
             if p is not None and p.result is None:
                 if p.cancel():
                     if p.held:  # the worker never ran: its held writes start here
@@ -534,7 +541,7 @@ class TieredCache:
                 blocks[: len(p.host_slots)],
                 background=True,
             )
-        self._prefetches[req_id] = p
+        self._prefetches[req_id] = self._unsettled[req_id] = p
 
     def _run_prefetch(self, p: _Prefetch, after: torch.cuda.Event | None) -> int:
         """On an I/O worker: read the spill runs into host slots, then copy up. Returns how
@@ -585,9 +592,11 @@ class TieredCache:
 
     def _poll(self) -> None:
         """Observe finished work: settle prefetches, publish and unpin offloads."""
-        for req_id, p in self._prefetches.items():
-            if p.result is None and p.done():
-                self._settle(req_id, p)
+        if self._unsettled:  # only these: a serving loop holds many settled ones
+            for req_id, p in list(self._unsettled.items()):
+                if p.done():
+                    self._settle(req_id, p)
+                    del self._unsettled[req_id]
         if self._offloads:
             pending = []
             for o in self._offloads:

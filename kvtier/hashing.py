@@ -120,6 +120,8 @@ TokenIds = Sequence[int] | np.ndarray | torch.Tensor
 
 def token_bytes(token_ids: TokenIds) -> bytes:
     """Token ids as little-endian uint32 bytes; rejects ids outside [0, 2**32)."""
+    if type(token_ids) is list:  # the common case, before torch's costly isinstance
+        return pack_tokens(token_ids)
     if isinstance(token_ids, torch.Tensor):
         token_ids = token_ids.detach().cpu().numpy()
     if isinstance(token_ids, np.ndarray):

@@ -219,6 +219,11 @@ def _copy_staged(
     return True
 
 
+def _nbytes(dst: torch.Tensor, dst_ids: Sequence[int] | np.ndarray) -> int:
+    """Bytes a copy into ``dst[dst_ids]`` moves."""
+    return len(dst_ids) * (dst.nbytes // dst.shape[0]) if dst.shape[0] else 0
+
+
 def _timed_copy(*args: object) -> float:
     """``copy_blocks(*args)``; returns the seconds it took."""
     start = time.perf_counter()
@@ -325,14 +330,15 @@ class TransferEngine:
         On CUDA the copy first waits for ``after`` (else the caller's current stream), so
         it sees every write queued before it. A failure is reported through the handle.
         """
-        nbytes = len(dst_ids) * (dst.nbytes // dst.shape[0]) if dst.shape[0] else 0
         if background and self._copier is not None:
             try:
                 src_rows, dst_rows = self._byte_rows(src), self._byte_rows(dst)
                 job = self._copier.submit(src_rows, src_ids, dst_rows, dst_ids, dst_rows.shape[1])
             except Exception as e:  # reported through the handle, never raised
-                return Transfer(nbytes, error=e)
-            return Transfer(nbytes, job=job)
+                return Transfer(_nbytes(dst, dst_ids), error=e)
+            # The row size from the numpy view: reading torch's nbytes costs µs.
+            return Transfer(len(dst_ids) * dst_rows.shape[1], job=job)
+        nbytes = _nbytes(dst, dst_ids)
         s = np.array(src_ids, dtype=np.int64)
         d = np.array(dst_ids, dtype=np.int64)
         if self._cuda and (src.is_cuda or dst.is_cuda):
