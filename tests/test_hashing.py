@@ -81,6 +81,16 @@ def test_list_numpy_and_tensor_tokens_hash_alike():
     assert hasher().hash_blocks(range(7, 39)) == expected
 
 
+def test_token_ids_of_every_int_size_and_int_subclass_hash_as_their_uint32_value():
+    class Token(int):
+        pass
+
+    # 0 and ids of 2**30 and up are not one-digit ints; bools and subclasses not exact ints.
+    tokens = [0, 1, 2**30 - 1, 2**30, 2**31, 2**32 - 1, True, Token(5)]
+    expected = hasher().hash_blocks(np.array([int(t) for t in tokens], np.uint32))
+    assert hasher().hash_blocks(tokens) == expected
+
+
 @pytest.mark.parametrize("bad", [[-1, 0, 0, 0], [2**32, 0, 0, 0]])
 def test_out_of_range_token_ids_are_rejected(bad):
     with pytest.raises(ValueError, match=r"token ids must be in \[0, 2\*\*32\)"):
