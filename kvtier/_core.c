@@ -1516,6 +1516,7 @@ typedef struct Job {
     const char *src;
     char *dst;
     size_t row;          /* bytes per row */
+    int cached;          /* plain stores: the bytes stay in the CPU cache for their reader */
     Py_ssize_t n;
     int64_t *rows;       /* n source rows, then n destination rows */
     double start, seconds;
@@ -1561,12 +1562,14 @@ now(void)
 #endif
 
 /* memcpy that bypasses the CPU caches where the CPU allows (x86-64: streaming stores,
- * source lines prefetched as non-temporal). A block copy is large and read next by
- * someone else (the engine's attention, a tier write), not by this thread: normal
- * stores first read every destination line (write-allocate) and evict the engine's
- * code and data from the shared cache, as a DMA copy to a GPU never does. Measured
- * here (EPYC, 32 MiB cold): 13.2 GB/s vs memcpy's 7-7.9, and Python code run right
- * after it 1.5x less slowed. */
+ * source lines prefetched as non-temporal). A block copy is large and read later by
+ * someone else (the engine's attention), not by this thread: normal stores first read
+ * every destination line (write-allocate) and evict the engine's code and data from
+ * the shared cache, as a DMA copy to a GPU never does. Measured here (EPYC, 32 MiB
+ * cold): 13.2 GB/s vs memcpy's 7-7.9, and Python code run right after it 1.5x less
+ * slowed. A job whose bytes are read again at once (a chunk value, sent to its tier
+ * next) takes plain memcpy instead (``cached``): streamed out, they would be read back
+ * from memory. */
 static void
 copy_streaming(char *dst, const char *src, size_t len)
 {
@@ -1623,8 +1626,12 @@ job_copy_rows(Copier *c, Job *job)
         long i = u / pieces;
         size_t offset = (size_t)(u % pieces) * PIECE_NBYTES;
         size_t len = job->row - offset < PIECE_NBYTES ? job->row - offset : PIECE_NBYTES;
-        copy_streaming(job->dst + job->rows[job->n + i] * job->row + offset,
-                       job->src + job->rows[i] * job->row + offset, len);
+        char *dst = job->dst + job->rows[job->n + i] * job->row + offset;
+        const char *src = job->src + job->rows[i] * job->row + offset;
+        if (job->cached)
+            memcpy(dst, src, len);
+        else
+            copy_streaming(dst, src, len);
         mine++;
     }
     if (mine && atomic_fetch_add(&job->copied, mine) + mine == total) {
@@ -1764,19 +1771,30 @@ get_row_ids(PyObject *obj, int64_t *out, Py_ssize_t n, Py_ssize_t limit, const c
 }
 
 PyDoc_STRVAR(submit_doc,
-"submit(src, src_rows, dst, dst_rows, row_nbytes) -> CopyJob\n\n"
+"submit(src, src_rows, dst, dst_rows, row_nbytes, cached=False) -> CopyJob\n\n"
 "Queue ``dst[dst_rows[i]] = src[src_rows[i]]`` for every i, rows of ``row_nbytes``\n"
 "bytes, on the worker thread. ``src`` and ``dst`` are C-contiguous buffers (``dst``\n"
 "writable) of whole rows, held by the job until it is over. Rows are checked here:\n"
-"IndexError or ValueError, queueing nothing, for a bad one.");
+"IndexError or ValueError, queueing nothing, for a bad one. The copy bypasses the\n"
+"CPU caches unless ``cached`` is true: for bytes the caller reads again right away.");
 
 static PyObject *
-Copier_submit(Copier *self, PyObject *const *args, Py_ssize_t nargs)
+Copier_submit(Copier *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
-    if (nargs != 5) {
-        PyErr_Format(PyExc_TypeError, "submit takes 5 arguments, got %zd", nargs);
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    if (nargs + nkw != 5 && nargs + nkw != 6) {
+        PyErr_Format(PyExc_TypeError, "submit takes 5 or 6 arguments, got %zd", nargs + nkw);
         return NULL;
     }
+    /* Keyword names are always str; with 5 positional arguments there is at most one. */
+    if (nargs < 5 ||
+        (nkw && PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, 0), "cached") != 0)) {
+        PyErr_SetString(PyExc_TypeError, "submit takes 5 positional arguments and cached=");
+        return NULL;
+    }
+    int cached = nargs + nkw == 6 ? PyObject_IsTrue(args[5]) : 0;
+    if (cached < 0)
+        return NULL;
     if (!self->started || self->stop) {
         PyErr_SetString(PyExc_RuntimeError, "the copier is closed");
         return NULL;
@@ -1820,6 +1838,7 @@ Copier_submit(Copier *self, PyObject *const *args, Py_ssize_t nargs)
     job->src = cj->src.buf;
     job->dst = cj->dst.buf;
     job->row = row;
+    job->cached = cached;
     job->n = n;
     atomic_init(&job->claimed, 0);
     atomic_init(&job->copied, 0);
@@ -1952,7 +1971,8 @@ static PyTypeObject CopyJobType = {
 };
 
 static PyMethodDef Copier_methods[] = {
-    {"submit", (PyCFunction)(void (*)(void))Copier_submit, METH_FASTCALL, submit_doc},
+    {"submit", (PyCFunction)(void (*)(void))Copier_submit, METH_FASTCALL | METH_KEYWORDS,
+     submit_doc},
     {"close", (PyCFunction)Copier_close, METH_NOARGS, close_doc},
     {NULL, NULL, 0, NULL},
 };

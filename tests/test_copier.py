@@ -26,10 +26,12 @@ def rows(n: int, row: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (n, row), dtype=np.uint8)
 
 
+@pytest.mark.parametrize("cached", [False, True])
 @pytest.mark.parametrize("row", [16, PIECE, 3 * PIECE + 5])
-def test_a_job_copies_exactly_the_given_rows(copier, row: int) -> None:
+def test_a_job_copies_exactly_the_given_rows(copier, row: int, cached: bool) -> None:
+    # cached=True takes plain stores instead of streaming ones: the same bytes land.
     src, dst = rows(6, row), np.zeros((6, row), np.uint8)
-    job = copier.submit(src, [1, 4, 0], dst, [5, 0, 2], row)
+    job = copier.submit(src, [1, 4, 0], dst, [5, 0, 2], row, cached=cached)
     job.wait()
     assert job.done()
     expected = np.zeros_like(dst)
@@ -109,6 +111,15 @@ def test_bad_input_raises_and_queues_nothing(copier, src_rows, dst_rows, row, er
     src, dst = rows(2, 8), np.zeros((2, 8), np.uint8)
     with pytest.raises(error, match=message):
         copier.submit(src, src_rows, dst, dst_rows, row)
+    assert not dst.any()
+
+
+def test_submit_takes_cached_as_its_only_keyword(copier) -> None:
+    src, dst = rows(2, 8), np.zeros((2, 8), np.uint8)
+    with pytest.raises(TypeError, match="5 positional arguments and cached="):
+        copier.submit(src, [0], dst, [1], 8, streaming=False)
+    with pytest.raises(TypeError, match="5 or 6 arguments, got 7"):
+        copier.submit(src, [0], dst, [1], 8, True, cached=True)
     assert not dst.any()
 
 
