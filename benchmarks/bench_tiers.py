@@ -8,7 +8,9 @@ Cases, for each tier (``lmdb``, ``redis``) and chunk size C:
 
 - ``TIER put chunk C``: what the cache does when it spills a batch: ``ChunkCodec.encode``
   of every chunk from (scattered) host-slab rows, then, as the spill manager's I/O
-  worker does, ``sizes_many`` of the keys and ``put_many`` of the absent ones (all).
+  worker does, the write: for ``lmdb`` (write-back: chunks offered on eviction)
+  ``sizes_many`` of the keys and ``put_many`` of the absent ones (all); for ``redis``
+  (write-through: chunks just completed) ``put_many(only_new=True)``.
   Ceiling: the same value bytes written raw: one lmdb write transaction of ``txn.put``
   (an environment opened with the tier's flags: ``sync=False, metasync=False,
   writemap=False``), or one redis-py ``pipeline(transaction=False)`` of SET.

@@ -31,9 +31,12 @@ Each hook call (an eviction, a publish) makes one write per tier, whatever the n
 of chunks, and encodes each chunk once however many tiers of its size take it.
 Writes are queued to I/O workers with a bound on the bytes in flight; past it, a
 write is dropped and counted (the tier is not keeping up). A tier never gets a chunk
-it already holds: one batched size query (``sizes_many``) first, and a value is
-written only where the tier holds nothing, or less (a shorter run ending at the same
-block, which the longer one replaces).
+it already holds. A chunk just completed in the host pool is seldom there: it is
+written only where its key holds nothing (``put_many(only_new=True)``: SET NX, or a
+check inside the write transaction), in the write's one round trip. Chunks offered on
+eviction or passed down often are there: one batched size query (``sizes_many``)
+first, and a value is sent only where the tier holds nothing, or less (a shorter run
+ending at the same block, which the longer one replaces).
 
 Read path. ``lookup`` asks each tier in order, with one batched size query, for the
 chunks that continue the prefix the tiers above it hold: a value's size gives its
@@ -78,7 +81,7 @@ from kvtier.tiers.base import SpillTier
 
 log = logging.getLogger(__name__)
 
-HeldWrite = tuple[SpillTier, list, int]  # tier, (key, value, blocks) items, bytes
+HeldWrite = tuple[SpillTier, list, int, bool]  # tier, (key, value, blocks) items, bytes, fresh
 Chunk = tuple[bytes, int, list[int]]  # its key (last block's hash), first position, slots
 Encoded = dict[tuple[bytes, int], memoryview]  # values one hook call made, by (key, start)
 
@@ -330,7 +333,7 @@ class SpillManager:
         one batch per tier; tiers of the same chunk size share each encoded value."""
         encoded: Encoded = {}
         for tier in ([self._back] if self._back else []) + self._through:
-            self._encode_and_put(tier, self._evicted_chunks(tier, victims), encoded)
+            self._encode_and_put(tier, self._evicted_chunks(tier, victims), encoded, False)
 
     def on_host_publish(self, blocks: CachedBlocks) -> None:
         """Write-through: write every chunk that these newly cached blocks complete, one
@@ -348,7 +351,7 @@ class SpillManager:
                 chunk = self._complete_chunk(tier, tail, p)
                 if chunk is not None:
                     chunks[tail] = chunk
-            self._encode_and_put(tier, list(chunks.values()), encoded)
+            self._encode_and_put(tier, list(chunks.values()), encoded, True)
 
     def stats(self) -> dict[str, TierStats]:
         """A snapshot of each spill tier's counters, and what it holds (asked of the
@@ -386,8 +389,8 @@ class SpillManager:
     def start_writes(self, held: list[HeldWrite]) -> None:
         """Queue writes that ``holding_writes`` held back (any thread)."""
         while held:
-            tier, items, nbytes = held.pop()
-            self._background(tier, self._put, tier, items, nbytes)
+            tier, items, nbytes, fresh = held.pop()
+            self._background(tier, self._put, tier, items, nbytes, fresh)
 
     def flush(self) -> None:
         """Wait for every queued write."""
@@ -458,9 +461,12 @@ class SpillManager:
             return aligned
         return last - n + 1
 
-    def _encode_and_put(self, tier: SpillTier, chunks: list[Chunk], encoded: Encoded) -> None:
+    def _encode_and_put(
+        self, tier: SpillTier, chunks: list[Chunk], encoded: Encoded, fresh: bool
+    ) -> None:
         """Encode ``chunks`` (while their slots are valid: under the caller's lock) and queue
-        them to ``tier`` as one write; a value already in ``encoded`` is reused."""
+        them to ``tier`` as one write (``fresh``: see ``_put``); a value already in
+        ``encoded`` is reused."""
         if not chunks:
             return
         nbytes = sum(self.codec.encoded_nbytes(len(slots)) for _, _, slots in chunks)
@@ -472,9 +478,9 @@ class SpillManager:
             items = [(key, encoded[key, start], len(slots)) for key, start, slots in chunks]
             self._track(tier, items)
             if self._held is not None:
-                self._held.append((tier, items, nbytes))
+                self._held.append((tier, items, nbytes, fresh))
             else:
-                self._background(tier, self._put, tier, items, nbytes)
+                self._background(tier, self._put, tier, items, nbytes, fresh)
 
     def _cascade(self, tier: SpillTier, evicted: list[tuple[bytes, bytes]]) -> None:
         """The tier above ``tier`` evicted these chunk values: pass them down as they are
@@ -484,7 +490,7 @@ class SpillManager:
         nbytes = sum(len(value) for _, value in evicted)
         if self._reserve(tier, nbytes, sum(n for _, _, n in items)):
             self._track(tier, items)
-            self._background(tier, self._put, tier, items, nbytes)
+            self._background(tier, self._put, tier, items, nbytes, False)
 
     def _reserve(self, tier: SpillTier, nbytes: int, blocks: int) -> bool:
         """Count ``nbytes`` as queued for a write; False (and the blocks dropped) when the
@@ -497,19 +503,34 @@ class SpillManager:
             return True
 
     def _put(
-        self, tier: SpillTier, items: list[tuple[bytes, memoryview, int]], nbytes: int
+        self,
+        tier: SpillTier,
+        items: list[tuple[bytes, memoryview, int]],
+        nbytes: int,
+        fresh: bool,
     ) -> None:
-        """Store the chunks the tier does not hold yet, or holds shorter (a run ending at
-        the same block that starts later: the longer one replaces it). On an I/O worker."""
+        """Store the chunks the tier does not hold yet. On an I/O worker.
+
+        Chunks just completed in the host pool (``fresh``) are seldom in the tier: they
+        are written only where the key holds nothing (``put_many(only_new=True)``), which
+        saves the size query's round trip; a shorter run held under the key stays until
+        the chunk is evicted and offered again. Other chunks (evicted, or passed down)
+        often are in the tier already: their sizes are asked first, and only those the
+        tier lacks or holds shorter (a run ending at the same block that starts later:
+        the longer one replaces it) are sent.
+        """
         try:
-            held = tier.sizes_many([key for key, _, _ in items])
-            todo = [item for item, size in zip(items, held) if size < len(item[1])]
-            if not todo:
-                return
+            todo = items
+            if not fresh:
+                held = tier.sizes_many([key for key, _, _ in items])
+                todo = [item for item, size in zip(items, held) if size < len(item[1])]
+                if not todo:
+                    return
             start = time.perf_counter()
-            stored = tier.put_many([(key, value) for key, value, _ in todo])
+            stored = tier.put_many([(key, value) for key, value, _ in todo], only_new=fresh)
             seconds = time.perf_counter() - start
-            if stored < len(todo):  # the tier skipped some (too large for it): which?
+            if stored < len(todo):  # held already (fresh), or too large for the tier: which?
+                # A value as long as ours is counted as written, whoever wrote it.
                 landed = tier.sizes_many([key for key, _, _ in todo])
                 skipped = [item for item, size in zip(todo, landed) if size < len(item[1])]
                 todo = [item for item, size in zip(todo, landed) if size >= len(item[1])]

@@ -256,8 +256,39 @@ def test_write_through_sends_the_chunks_of_one_publish_as_one_batch():
     before = redis.round_trips
     spill.on_host_publish(host.cached_blocks(slots))
     spill.flush()
-    assert redis.round_trips == before + 2  # one existence check, one write, for all 4 chunks
+    assert redis.round_trips == before + 1  # one write of all 4 chunks, no size query
     assert len(list(redis.keys())) == 4
+    spill.close()
+
+
+def test_write_through_leaves_a_chunk_the_tier_holds_as_it_is():
+    host, slots = host_with_chain(8)
+    redis = fake_redis(chunk_blocks=4)
+    spill = SpillManager([redis], ["redis"], host, write_workers=1, max_pending_bytes=1 << 30)
+    held = bytes(spill.codec.encoded_nbytes(4))  # as long as the chunk: another writer's
+    redis.put_many([(host.cached_blocks(slots[3:4]).hashes[0], held)])
+    spill.on_host_publish(host.cached_blocks(slots))
+    spill.flush()
+    stored = {}
+    keys = host.cached_blocks(slots[3::4]).hashes
+    redis.get_many(keys, lambda i, v: stored.__setitem__(i, bytes(v)))
+    assert stored[0] == held and len(stored[1]) == spill.codec.encoded_nbytes(4)
+    stats = spill.stats()["redis"]
+    assert (stats.blocks_in, stats.dropped) == (8, 0)  # the held chunk counts as written
+    spill.close()
+
+
+def test_chunks_offered_again_on_eviction_cost_one_size_query_and_no_write():
+    host, slots = host_with_chain(8)
+    redis = fake_redis(chunk_blocks=4)
+    redis.sizes_many([bytes(16)])  # learns that fakeredis runs no scripts
+    spill = SpillManager([redis], ["redis"], host, write_workers=1, max_pending_bytes=1 << 30)
+    spill.on_host_publish(host.cached_blocks(slots))
+    spill.flush()
+    before, sent = redis.round_trips, redis.commands_sent
+    spill.on_host_evict(host.cached_blocks(slots[::-1]))
+    spill.flush()
+    assert (redis.round_trips, redis.commands_sent) == (before + 1, sent + 2)  # 2 STRLEN
     spill.close()
 
 
@@ -409,7 +440,7 @@ def test_a_chunk_whose_write_is_in_flight_is_found_and_loaded_from_memory(tmp_pa
     cache, (disk,) = make_cache(tmp_path, disk=True)
     gate = threading.Event()
     put_many = disk.put_many
-    disk.put_many = lambda items: gate.wait(10) and put_many(items)  # a slow disk
+    disk.put_many = lambda items, only_new=False: gate.wait(10) and put_many(items, only_new)
     a = prompt(1, 6)
     serve(cache, "a", a)
     for s in range(5):  # a leaves the GPU and the host pool; its write is stuck

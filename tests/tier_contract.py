@@ -103,6 +103,19 @@ class TierContract:
         usage = tier.usage()
         assert (usage.entries, usage.nbytes) == (1, 10)
 
+    def test_put_only_new_keeps_the_value_a_key_holds(self, tier: SpillTier) -> None:
+        held, new = make_key("only-new", 0), make_key("only-new", 1)
+        tier.put_many([(held, b"x" * 1000)])
+        assert tier.put_many([(held, b"y" * 2000), (new, b"z" * 10)], only_new=True) == 1
+        assert read_all(tier, [held, new])[1] == {0: b"x" * 1000, 1: b"z" * 10}
+        usage = tier.usage()
+        assert (usage.entries, usage.nbytes) == (2, 1010)
+
+    def test_put_only_new_stores_the_first_of_a_key_given_twice(self, tier: SpillTier) -> None:
+        k = make_key("only-new-twice")
+        assert tier.put_many([(k, b"a" * 10), (k, b"b" * 20)], only_new=True) == 1
+        assert read_all(tier, [k])[1] == {0: b"a" * 10}
+
     def test_put_accepts_bytes_bytearray_and_memoryview(self, tier: SpillTier) -> None:
         keys = [make_key("buf", i) for i in range(3)]
         raw = make_value(keys[0], 300)

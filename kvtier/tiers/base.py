@@ -75,11 +75,13 @@ class SpillTier(ABC):
         """
 
     @abstractmethod
-    def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> int:
+    def put_many(self, items: Sequence[tuple[bytes, Buffer]], only_new: bool = False) -> int:
         """Store (or overwrite) the values, one batch; returns how many were stored.
 
         A full tier makes room by evicting its least recently used values; a value it
-        cannot hold at all is skipped (not stored, not an error).
+        cannot hold at all is skipped (not stored, not an error). With ``only_new``, a
+        key that holds a value keeps it and is not counted (checked and written as one
+        step per key, so of two writers of a key exactly one stores it).
         """
 
     @abstractmethod

@@ -516,7 +516,7 @@ class LMDBTier(SpillTier):
             self._write_uses()
         return found
 
-    def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> int:
+    def put_many(self, items: Sequence[tuple[bytes, Buffer]], only_new: bool = False) -> int:
         if not items:
             self._check_open()
             return 0
@@ -537,6 +537,8 @@ class LMDBTier(SpillTier):
                     continue
                 old = txn.get(key, db=data)
                 if old is not None:
+                    if only_new:
+                        continue
                     total -= len(old)
                     stamp = txn.get(key, db=self._atime)
                     if stamp is not None:  # keep it out of the eviction below

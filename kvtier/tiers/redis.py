@@ -350,14 +350,15 @@ class RedisTier(SpillTier):
                 sink(i, memoryview(value))
         return present
 
-    def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> int:
+    def put_many(self, items: Sequence[tuple[bytes, Buffer]], only_new: bool = False) -> int:
         if not items:
             self._check_open()
             return 0
         ttl_ms = self._ttl_ms
         results = self._batch(
             lambda pipe: [
-                pipe.set(self.redis_key(k), _as_bytes_view(v), px=ttl_ms) for k, v in items
+                pipe.set(self.redis_key(k), _as_bytes_view(v), px=ttl_ms, nx=only_new)
+                for k, v in items
             ],
             skip=(OutOfMemoryError,),
         )

@@ -106,9 +106,9 @@ class FaultyTier(SpillTier):
         self._maybe_fail("get_many")
         return self.inner.get_many(keys, sink)
 
-    def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> int:
+    def put_many(self, items: Sequence[tuple[bytes, Buffer]], only_new: bool = False) -> int:
         self._maybe_fail("put_many")
-        return self.inner.put_many(items)
+        return self.inner.put_many(items, only_new)
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
         self._maybe_fail("delete_many")
