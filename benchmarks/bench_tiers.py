@@ -55,7 +55,10 @@ call's fresh 8 MiB (encoded values, LMDB's dirty pages, redis-py's reply buffers
 costs 2048 page faults depends on what sits at the top of the heap, which flips between
 otherwise equal cases; on a VM a fault can cost several µs (the output measures it),
 more than the copy it precedes. The output also gives each main case's median page
-faults per call, and its ceiling's.
+faults per call, and its ceiling's; with a Redis server on this machine, also the
+server's during each Redis case: it faults in fresh pages when its allocator has no
+freed ones at hand, and which case that hits, kvtier's or raw, varies from run to
+run (a put of 8 MiB that faults them all in ran ~1.5x as long).
 
 Cases run in rounds, each round taking a few samples of every case with kvtier and
 raw cases side by side, so machine noise (shared cores, the Redis server on the same
@@ -161,15 +164,21 @@ class Case:
     samples: list[float] = field(default_factory=list)
     check: Callable[[], None] = lambda: None  # runs after each batch of samples
     faults: list[int] = field(default_factory=list)  # minor page faults of each call
+    server: Callable[[], int] | None = None  # the Redis server's page faults so far
+    server_faults: list[int] = field(default_factory=list)  # ... during each call
     # A raw case sampled in the group of the cases before it, alternating with them.
     joins_group: bool = False
     worker_ceiling: str | None = None  # the raw case run on a worker thread, if any
 
     def timed(self, arg: Any) -> None:
-        """``fn(arg)``, counting the page faults it takes (a fresh page costs µs)."""
+        """``fn(arg)``, counting the page faults it takes (a fresh page costs µs), and the
+        Redis server's (when ``server`` can count them)."""
+        server = self.server() if self.server else 0
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         self.fn(arg)
         self.faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+        if self.server:
+            self.server_faults.append(self.server() - server)
 
 
 @dataclass
@@ -217,6 +226,7 @@ class Bench:
         self.raw_redis: redis.Redis | None = None
         self.raw_redis_keys: list[bytes] = []
         self.redis_error: str | None = None
+        self.server_stat: int | None = None  # fd of the local Redis server's /proc stat
         self.raw_writer = ThreadPoolExecutor(1, thread_name_prefix="raw-writer")
 
     # ------------------------------------------------------------- data
@@ -283,6 +293,7 @@ class Bench:
                       "skipping the Redis cases", file=sys.stderr)  # fmt: skip
                 return None
             self.raw_redis = client
+            self.server_stat = _open_server_stat(client)
         cfg = RedisTierConfig(url=self.redis_url, chunk_blocks=c, key_prefix=self.tag)
         tier = RedisTier.from_config(cfg, namespace=f"c{c}")
         self.redis_tiers.append(tier)
@@ -450,6 +461,16 @@ class Bench:
 
         self.add_tier_cases("redis", tier, put, get, raw_put, raw_put_prebuilt,
                             raw_delete_put_keys, delete_put_keys, raw_get, raw_lookup)  # fmt: skip
+        if self.server_stat is not None:
+            for case in self.cases:
+                if case.name.startswith(("redis ", "raw redis ")):
+                    case.server = self.server_faults
+
+    def server_faults(self) -> int:
+        """The local Redis server's minor page faults so far (``/proc/PID/stat``)."""
+        assert self.server_stat is not None
+        stat = os.pread(self.server_stat, 4096, 0)
+        return int(stat.rsplit(b")", 1)[1].split()[7])  # minflt: the stat's 10th field
 
     def add_tier_cases(
         self,
@@ -602,6 +623,8 @@ class Bench:
             if leftover:
                 self.raw_redis.delete(*leftover)
             self.raw_redis.close()
+        if self.server_stat is not None:
+            os.close(self.server_stat)
 
     # ------------------------------------------------------------- results
     def results(self) -> list[Result]:
@@ -668,17 +691,19 @@ class Bench:
         return sorted(rows, key=lambda r: _case_order(r.case))
 
     def fault_lines(self) -> list[str]:
-        """Median minor page faults per call of the main put/get cases and their ceilings."""
+        """Median minor page faults per call of the main put/get cases and their ceilings
+        (and of the Redis server during them, where it could be counted)."""
         by_name = {c.name: c for c in self.cases}
         lines = []
         main = [c for c in self.cases if c.kind == "throughput" and len(c.name.split()) == 4]
         for case in sorted(main, key=lambda c: _case_order(c.name)):
             if case.ceiling:
                 raw = by_name[case.ceiling]
-                lines.append(
-                    f"{case.name}: {statistics.median(case.faults):.0f} "
-                    f"(raw {statistics.median(raw.faults):.0f})"
-                )
+                line = f"{case.name}: {_median_faults(case.faults, raw.faults)}"
+                if case.server_faults:
+                    server = _median_faults(case.server_faults, raw.server_faults)
+                    line += f"; Redis server {server}"
+                lines.append(line)
         return lines
 
 
@@ -691,6 +716,23 @@ def _case_order(name: str) -> tuple[int, int, int, int]:
     rest = " ".join(words[words.index("chunk") + 2 :])
     variant = ("", "vs raw on a write worker", "put_many only", "get_many only", "4k tokens")
     return group, op, c, variant.index(rest) if rest in variant else len(variant)
+
+
+def _median_faults(faults: list[int], raw: list[int]) -> str:
+    return f"{statistics.median(faults):.0f} (raw {statistics.median(raw):.0f})"
+
+
+def _open_server_stat(client: redis.Redis) -> int | None:
+    """A descriptor of the Redis server's ``/proc/PID/stat`` when the server runs on this
+    machine (the pid it reports is a process named redis-...); None otherwise."""
+    try:
+        pid = int(client.info("server")["process_id"])
+        with open(f"/proc/{pid}/comm") as comm:
+            if not comm.read().startswith("redis"):
+                return None
+        return os.open(f"/proc/{pid}/stat", os.O_RDONLY)
+    except (redis.RedisError, KeyError, ValueError, OSError):
+        return None
 
 
 def _throughput(case: Case) -> tuple[float, float, float]:
