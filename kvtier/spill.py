@@ -193,6 +193,7 @@ class SpillManager:
         # Values queued for each tier and not yet written, by key (see "In flight").
         self._in_flight: dict[str, dict[bytes, memoryview]] = {t.name: {} for t in self.tiers}
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when no write is queued
 
     # ------------------------------------------------------------------ read path
     def lookup(self, hashes: Sequence[bytes], start: int) -> list[SpillRun]:
@@ -393,14 +394,9 @@ class SpillManager:
             self._background(tier, self._put, tier, items, nbytes, fresh)
 
     def flush(self) -> None:
-        """Wait for every queued write."""
-        while True:
-            with self._lock:
-                pending = list(self._writes)
-            if not pending:
-                return
-            for f in pending:
-                f.exception()
+        """Wait for every queued write, and for the writes they queue (cascades)."""
+        with self._idle:
+            self._idle.wait_for(lambda: not self._writes)
 
     # ------------------------------------------------------------------ internals
     def _complete_chunk(self, tier: SpillTier, tail: bytes, position: int) -> Chunk | None:
@@ -568,6 +564,8 @@ class SpillManager:
             self._count_error(tier.name, error)
         with self._lock:  # last, so that flush() returns only once the write is counted
             self._writes.discard(future)
+            if not self._writes:
+                self._idle.notify_all()
 
     def _count_error(self, name: str, error: BaseException) -> None:
         log.warning("kvtier: %s tier failed: %s", name, error)
