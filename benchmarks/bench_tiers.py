@@ -21,6 +21,9 @@ Cases, for each tier (``lmdb``, ``redis``) and chunk size C:
   than kvtier (informational). On a small machine that also runs the Redis server, the
   scheduler often puts a freshly woken worker on the server's core.
   ``... put_many only``: the tier call alone, values encoded beforehand (informational).
+  ``... hook``: µs of each put spent in the host pool's hook, i.e. holding the cache's
+  lock (informational): an eviction's encode, or a write-through's pinning of slots
+  for the encoder thread.
 - ``TIER get chunk C``: ``SpillManager.load`` of the batch (the run its ``lookup``
   returns): one ``tier.get_many`` whose sink checks every value (header, and the xxh3
   checksum while the codec's copier scatters its blocks into host-slab slots: two
@@ -79,6 +82,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -217,6 +221,7 @@ class Bench:
         self.staging = memoryview(bytearray(BLOCKS * self.codec.encoded_nbytes(1)))
         self.cases: list[Case] = []
         self.round_trips: dict[int, list[int]] = {}
+        self.hook_seconds: dict[str, list[float]] = {}  # by put case: its hook's share
         self.tag = f"kvtier-bench-{uuid.uuid4().hex[:12]}"
         self.tmp = Path(tempfile.mkdtemp(prefix=f"{self.tag}-", dir=_tmp_base()))
         self.lmdb_tiers: list[LMDBTier] = []
@@ -250,7 +255,9 @@ class Bench:
     def manager(self, tier: SpillTier, write_through: bool) -> SpillManager:
         """The cache's spill manager over ``tier`` alone, with one write worker."""
         through = [tier.name] if write_through else []
-        return SpillManager([tier], through, self.host, write_workers=1, max_pending_bytes=1 << 30)
+        return SpillManager(
+            [tier], through, self.host, threading.Lock(), write_workers=1, max_pending_bytes=1 << 30
+        )
 
     def gather(self, p: Prompt) -> Callable[[int], np.ndarray]:
         """``gather(i)``: value i of ``p`` built raw from the slab: its header bytes
@@ -495,14 +502,19 @@ class Bench:
         stored_only: list[int] = []
         encoded = list(zip(put.keys, put.values))
 
+        hook = self.hook_seconds.setdefault(f"{name} put chunk {c}", [])
+
         def put_full(_: object) -> None:
-            # What the cache runs: the host pool's hook (under the cache's lock) encodes
-            # the chunks from their slots and queues them; a write worker checks which the
-            # tier lacks and stores those. Done when the worker is.
+            # What the cache runs: the host pool's hook (under the cache's lock) pins the
+            # chunks' slots for the encoder thread (write-through) or encodes them (evicted
+            # slots) and queues them; a write worker stores those the tier lacks. Done when
+            # the worker is.
+            start = time.perf_counter()
             if write_through:
                 manager.on_host_publish(chain)
             else:
                 manager.on_host_evict(tail_first)
+            hook.append(time.perf_counter() - start)
             manager.flush()
 
         def check_put() -> None:
@@ -673,6 +685,19 @@ class Bench:
                         higher_is_better=False,
                     )
                 )
+        for case, hook in self.hook_seconds.items():
+            med, lo, hi = (x * 1e6 for x in summarize(hook))
+            rows.append(
+                Result(
+                    case=f"{case} hook",
+                    metric="time the spill hook holds the caller (the cache's lock) per put",
+                    unit="µs",
+                    value=med,
+                    min=lo,
+                    max=hi,
+                    higher_is_better=False,
+                )
+            )
         for c, trips in self.round_trips.items():
             if trips:
                 rows.append(
@@ -714,7 +739,14 @@ def _case_order(name: str) -> tuple[int, int, int, int]:
     op = next((i for i, w in enumerate(("put", "get", "lookup")) if w in words), 0)
     c = int(words[words.index("chunk") + 1])
     rest = " ".join(words[words.index("chunk") + 2 :])
-    variant = ("", "vs raw on a write worker", "put_many only", "get_many only", "4k tokens")
+    variant = (
+        "",
+        "vs raw on a write worker",
+        "put_many only",
+        "hook",
+        "get_many only",
+        "4k tokens",
+    )
     return group, op, c, variant.index(rest) if rest in variant else len(variant)
 
 

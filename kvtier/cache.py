@@ -291,6 +291,7 @@ class TieredCache:
                 tiers,
                 through,
                 self.host,
+                self._lock,
                 config.transfer.io_threads,
                 max_pending_bytes=max(cpu.capacity // 2, 64 << 20),
             )

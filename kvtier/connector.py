@@ -208,6 +208,7 @@ class ConnectorCache:
         self._host_view = kv.host_view(self.host.slab)
         self.transfer = TransferEngine(kv.device, config.transfer.io_threads)
         self._cuda = kv.device.type == "cuda"
+        self._lock = threading.RLock()
         tiers, failed = open_spill_tiers(config, self.root.hex()[:16])
         self.spill: SpillManager | None = None
         if tiers:
@@ -220,6 +221,7 @@ class ConnectorCache:
                 tiers,
                 through,
                 self.host,
+                self._lock,
                 config.transfer.io_threads,
                 max_pending_bytes=max(cpu.capacity // 2, 64 << 20),
             )
@@ -227,7 +229,6 @@ class ConnectorCache:
         self._stats = CacheStats(
             {"cpu": TierStats(), **{name: TierStats(errors=1) for name in failed}}
         )
-        self._lock = threading.RLock()
         self._loads: dict[str, _Load] = {}
         self._saves: list[_Save] = []
 

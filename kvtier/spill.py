@@ -11,7 +11,10 @@ The head is written later as a run of its own, ending just before the tail.
 Write path. Chunks are built from host slots by walking parent hashes back from a
 run's last block, encoded (``ChunkCodec.encode_many``: each hook call's chunks
 gathered into one buffer of values) while the slots are still valid, and written by
-an I/O worker:
+an I/O worker. Evicted slots are about to be reused, so their chunks are encoded in
+the eviction hook; chunks that a publish completes are encoded on this manager's
+encoder thread instead, their slots pinned until then, so that the caller's lock is
+not held for a copy and a hash of every block its offloads bring in:
 
 - ``write_back`` tiers: when the host pool evicts slots, the first ``write_back``
   tier in spill order receives each victim's run: the blocks from the victim back to
@@ -58,8 +61,10 @@ flight); a write that fails takes its values out, and they are misses from then 
 Threads: ``lookup`` and ``load`` touch only the tiers, the codec, and host slots pinned
 for them; they may run on any thread (loads run on the transfer engine's workers).
 Writes run on this manager's own workers, so a write stuck on a hung tier never delays
-a load. ``on_host_evict`` and ``on_host_publish`` run under the cache's lock. Counters
-are updated under ``self._lock``.
+a load; encodes run on its encoder thread, so a write stuck never keeps slots pinned.
+``on_host_evict`` and ``on_host_publish`` run under the lock that guards the host pool
+(the cache's), which the encoder takes to unpin slots. Counters are updated under
+``self._lock``.
 """
 
 from __future__ import annotations
@@ -68,8 +73,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -81,7 +86,7 @@ from kvtier.tiers.base import SpillTier
 
 log = logging.getLogger(__name__)
 
-HeldWrite = tuple[SpillTier, list, int, bool]  # tier, (key, value, blocks) items, bytes, fresh
+HeldWrite = tuple[SpillTier, Executor, Callable[[], None]]  # a job, and where it runs
 Chunk = tuple[bytes, int, list[int]]  # its key (last block's hash), first position, slots
 Encoded = dict[tuple[bytes, int], memoryview]  # values one hook call made, by (key, start)
 
@@ -159,16 +164,19 @@ class SpillManager:
         tiers: Sequence[SpillTier],
         write_through: Sequence[str],
         host: HostPool,
+        host_lock: AbstractContextManager[object],
         write_workers: int,
         max_pending_bytes: int,
     ) -> None:
         self.tiers = list(tiers)
         self.host = host
+        self._host_lock = host_lock
         self.codec = ChunkCodec(host.layout)
         self._rows = byte_rows(host.slab)
         # Writes get their own workers: a write stuck on a hung tier (up to its timeout)
         # must never delay a prefetch, which runs on the transfer engine's workers.
         self._writers = ThreadPoolExecutor(max(1, write_workers), thread_name_prefix="kvtier-spill")
+        self._encoder = ThreadPoolExecutor(1, thread_name_prefix="kvtier-encode")
         self._stats = {t.name: TierStats() for t in self.tiers}
         self._through = [t for t in self.tiers if t.name in write_through]
         back = [t for t in self.tiers if t.name not in write_through]
@@ -326,7 +334,8 @@ class SpillManager:
         by_name = {t.name: t for t in self.tiers}
         for name, key, reason in result.bad:
             log.warning("kvtier: rejected %s value %s (%s); deleting it", name, key.hex(), reason)
-            self._background(by_name[name], by_name[name].delete_many, [key])
+            tier = by_name[name]
+            self._background(tier, self._writers, partial(tier.delete_many, [key]))
 
     # ------------------------------------------------------------------ write path
     def on_host_evict(self, victims: CachedBlocks) -> None:
@@ -334,15 +343,14 @@ class SpillManager:
         one batch per tier; tiers of the same chunk size share each encoded value."""
         encoded: Encoded = {}
         for tier in ([self._back] if self._back else []) + self._through:
-            self._encode_and_put(tier, self._evicted_chunks(tier, victims), encoded, False)
+            self._encode_and_put(tier, self._evicted_chunks(tier, victims), encoded)
 
     def on_host_publish(self, blocks: CachedBlocks) -> None:
         """Write-through: write every chunk that these newly cached blocks complete, one
-        batch per tier; tiers of the same chunk size share each encoded value."""
+        batch per tier, encoded on the encoder thread (each tier's on its own)."""
         if not self._through:
             return
         retry = [w for h in blocks.hashes for w in self._waiting.pop(h, ())]
-        encoded: Encoded = {}
         for tier in self._through:
             c = tier.chunk_blocks
             tails = [(h, p) for h, p in zip(blocks.hashes, blocks.positions) if p % c == c - 1]
@@ -352,7 +360,7 @@ class SpillManager:
                 chunk = self._complete_chunk(tier, tail, p)
                 if chunk is not None:
                     chunks[tail] = chunk
-            self._encode_and_put(tier, list(chunks.values()), encoded, True)
+            self._encode_later(tier, list(chunks.values()))
 
     def stats(self) -> dict[str, TierStats]:
         """A snapshot of each spill tier's counters, and what it holds (asked of the
@@ -370,6 +378,7 @@ class SpillManager:
     def close(self) -> None:
         """Finish queued writes and close every tier."""
         self.flush()
+        self._encoder.shutdown(wait=True)
         self._writers.shutdown(wait=True)
         self.codec.close()
         for tier in self.tiers:
@@ -390,8 +399,7 @@ class SpillManager:
     def start_writes(self, held: list[HeldWrite]) -> None:
         """Queue writes that ``holding_writes`` held back (any thread)."""
         while held:
-            tier, items, nbytes, fresh = held.pop()
-            self._background(tier, self._put, tier, items, nbytes, fresh)
+            self._background(*held.pop())
 
     def flush(self) -> None:
         """Wait for every queued write, and for the writes they queue (cascades)."""
@@ -457,26 +465,60 @@ class SpillManager:
             return aligned
         return last - n + 1
 
-    def _encode_and_put(
-        self, tier: SpillTier, chunks: list[Chunk], encoded: Encoded, fresh: bool
-    ) -> None:
+    def _encode_and_put(self, tier: SpillTier, chunks: list[Chunk], encoded: Encoded) -> None:
         """Encode ``chunks`` (while their slots are valid: under the caller's lock) and queue
-        them to ``tier`` as one write (``fresh``: see ``_put``); a value already in
-        ``encoded`` is reused."""
-        if not chunks:
-            return
-        nbytes = sum(self.codec.encoded_nbytes(len(slots)) for _, _, slots in chunks)
-        if self._reserve(tier, nbytes, sum(len(slots) for _, _, slots in chunks)):
+        them to ``tier`` as one write; a value already in ``encoded`` is reused."""
+        nbytes = self._reserve_chunks(tier, chunks)
+        if nbytes:
             todo = [chunk for chunk in chunks if (chunk[0], chunk[1]) not in encoded]
             if todo:
                 values = self.codec.encode_many(self._rows, todo)
                 encoded.update(((key, start), v) for (key, start, _), v in zip(todo, values))
             items = [(key, encoded[key, start], len(slots)) for key, start, slots in chunks]
             self._track(tier, items)
-            if self._held is not None:
-                self._held.append((tier, items, nbytes, fresh))
-            else:
-                self._background(tier, self._put, tier, items, nbytes, fresh)
+            self._queue(tier, self._writers, partial(self._put, tier, items, nbytes, False))
+
+    def _encode_later(self, tier: SpillTier, chunks: list[Chunk]) -> None:
+        """Pin the slots of ``chunks`` (under the caller's lock) and queue their encode,
+        and then their write to ``tier``, on the encoder thread."""
+        nbytes = self._reserve_chunks(tier, chunks)
+        if nbytes:
+            slots = [slot for _, _, chunk_slots in chunks for slot in chunk_slots]
+            self.host.touch(slots)  # no eviction reuses them before they are encoded
+            job = partial(self._encode_then_write, tier, chunks, slots, nbytes)
+            self._queue(tier, self._encoder, job)
+
+    def _encode_then_write(
+        self, tier: SpillTier, chunks: list[Chunk], slots: list[int], nbytes: int
+    ) -> None:
+        """On the encoder thread: encode the pinned chunks, make them visible in flight,
+        unpin their slots, and queue their write (chunks just completed: ``fresh``)."""
+        try:
+            values = self.codec.encode_many(self._rows, chunks)
+            items = [(key, v, len(s)) for (key, _, s), v in zip(chunks, values)]
+            self._track(tier, items)  # before the slots can go: never out of sight
+        except BaseException:
+            with self._lock:
+                self._pending -= nbytes
+            raise
+        finally:
+            with self._host_lock:
+                self.host.free(slots)
+        self._background(tier, self._writers, partial(self._put, tier, items, nbytes, True))
+
+    def _reserve_chunks(self, tier: SpillTier, chunks: list[Chunk]) -> int:
+        """``_reserve`` the bytes of ``chunks``' values; 0 when there are none or no room."""
+        nbytes = sum(self.codec.encoded_nbytes(len(slots)) for _, _, slots in chunks)
+        if not chunks or not self._reserve(tier, nbytes, sum(len(s) for _, _, s in chunks)):
+            return 0
+        return nbytes
+
+    def _queue(self, tier: SpillTier, pool: Executor, job: Callable[[], None]) -> None:
+        """Run ``job`` on ``pool``, or hold it back inside ``holding_writes``."""
+        if self._held is not None:
+            self._held.append((tier, pool, job))
+        else:
+            self._background(tier, pool, job)
 
     def _cascade(self, tier: SpillTier, evicted: list[tuple[bytes, bytes]]) -> None:
         """The tier above ``tier`` evicted these chunk values: pass them down as they are
@@ -486,7 +528,7 @@ class SpillManager:
         nbytes = sum(len(value) for _, value in evicted)
         if self._reserve(tier, nbytes, sum(n for _, _, n in items)):
             self._track(tier, items)
-            self._background(tier, self._put, tier, items, nbytes, False)
+            self._background(tier, self._writers, partial(self._put, tier, items, nbytes, False))
 
     def _reserve(self, tier: SpillTier, nbytes: int, blocks: int) -> bool:
         """Count ``nbytes`` as queued for a write; False (and the blocks dropped) when the
@@ -552,8 +594,10 @@ class SpillManager:
                 if len(value) >= len(queued.get(key, b"")):  # the longer run wins
                     queued[key] = value
 
-    def _background(self, tier: SpillTier, fn: Callable, *args: object) -> None:
-        future = self._writers.submit(fn, *args)
+    def _background(self, tier: SpillTier, pool: Executor, job: Callable[[], None]) -> None:
+        """Run ``job`` on ``pool``; ``flush`` waits for it, and a failure counts against
+        ``tier``."""
+        future = pool.submit(job)
         with self._lock:
             self._writes.add(future)
         future.add_done_callback(lambda f, t=tier: self._write_done(t, f))

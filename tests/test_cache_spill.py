@@ -62,6 +62,13 @@ def fake_redis(chunk_blocks: int = 8) -> RedisTier:
     return RedisTier(fakeredis.FakeRedis(), "test", chunk_blocks, ttl=None)
 
 
+def spill_manager(tiers: list, write_through: list[str], host: HostPool) -> SpillManager:
+    """A spill manager over ``host`` (guarded by a lock of its own), one write worker."""
+    return SpillManager(
+        tiers, write_through, host, threading.Lock(), write_workers=1, max_pending_bytes=1 << 30
+    )
+
+
 def stored_headers(tier, codec: ChunkCodec) -> list:
     keys = list(tier.keys())
     headers = []
@@ -223,15 +230,21 @@ def test_a_full_disk_tier_passes_its_evictions_to_redis(tmp_path):
 
 
 class CountingCodec(ChunkCodec):
-    """A codec that counts the values it encodes."""
+    """A codec that counts the values it encodes and the threads it encodes them on;
+    it encodes once its ``gate`` is open (from the start, unless cleared)."""
 
-    __slots__ = ("encoded",)
+    __slots__ = ("encoded", "threads", "gate")
 
     def __init__(self, layout) -> None:
         super().__init__(layout)
         self.encoded = 0
+        self.threads: list[str] = []
+        self.gate = threading.Event()
+        self.gate.set()
 
     def encode_many(self, src, chunks):
+        self.threads.append(threading.current_thread().name)
+        assert self.gate.wait(10)
         self.encoded += len(chunks)
         return super().encode_many(src, chunks)
 
@@ -252,7 +265,7 @@ def test_write_through_sends_the_chunks_of_one_publish_as_one_batch():
     host, slots = host_with_chain(16)
     redis = fake_redis(chunk_blocks=4)
     redis.sizes_many([bytes(16)])  # learns that fakeredis runs no scripts
-    spill = SpillManager([redis], ["redis"], host, write_workers=1, max_pending_bytes=1 << 30)
+    spill = spill_manager([redis], ["redis"], host)
     before = redis.round_trips
     spill.on_host_publish(host.cached_blocks(slots))
     spill.flush()
@@ -261,10 +274,26 @@ def test_write_through_sends_the_chunks_of_one_publish_as_one_batch():
     spill.close()
 
 
+def test_write_through_encodes_on_the_encoder_thread_with_the_slots_pinned_until_then():
+    host, slots = host_with_chain(8)
+    host.free(slots)  # cached and evictable
+    redis = fake_redis(chunk_blocks=4)
+    spill = spill_manager([redis], ["redis"], host)
+    spill.codec = codec = CountingCodec(host.layout)
+    codec.gate.clear()
+    spill.on_host_publish(host.cached_blocks(slots))  # returns before the encode
+    assert host.num_free == 0  # no eviction can take the slots before they are encoded
+    codec.gate.set()
+    spill.flush()
+    assert host.num_free == 8 and len(list(redis.keys())) == 2
+    assert len(codec.threads) == 1 and codec.threads[0].startswith("kvtier-encode")
+    spill.close()
+
+
 def test_write_through_leaves_a_chunk_the_tier_holds_as_it_is():
     host, slots = host_with_chain(8)
     redis = fake_redis(chunk_blocks=4)
-    spill = SpillManager([redis], ["redis"], host, write_workers=1, max_pending_bytes=1 << 30)
+    spill = spill_manager([redis], ["redis"], host)
     held = bytes(spill.codec.encoded_nbytes(4))  # as long as the chunk: another writer's
     redis.put_many([(host.cached_blocks(slots[3:4]).hashes[0], held)])
     spill.on_host_publish(host.cached_blocks(slots))
@@ -282,7 +311,7 @@ def test_chunks_offered_again_on_eviction_cost_one_size_query_and_no_write():
     host, slots = host_with_chain(8)
     redis = fake_redis(chunk_blocks=4)
     redis.sizes_many([bytes(16)])  # learns that fakeredis runs no scripts
-    spill = SpillManager([redis], ["redis"], host, write_workers=1, max_pending_bytes=1 << 30)
+    spill = spill_manager([redis], ["redis"], host)
     spill.on_host_publish(host.cached_blocks(slots))
     spill.flush()
     before, sent = redis.round_trips, redis.commands_sent
@@ -296,7 +325,7 @@ def test_tiers_of_one_chunk_size_share_each_encoded_value(tmp_path):
     host, slots = host_with_chain(16)
     disk = LMDBTier(tmp_path / "lmdb", 64 << 20, chunk_blocks=4)
     redis = fake_redis(chunk_blocks=4)
-    spill = SpillManager([disk, redis], ["redis"], host, write_workers=1, max_pending_bytes=1 << 30)
+    spill = spill_manager([disk, redis], ["redis"], host)
     spill.codec = codec = CountingCodec(host.layout)
     spill.on_host_evict(host.cached_blocks(slots[::-1]))  # tail first, as the pool evicts
     spill.flush()
@@ -372,7 +401,7 @@ def load(spill: SpillManager, host: HostPool, upto: int) -> tuple[list, int, np.
 def disk_spill(tmp_path: Path) -> tuple[HostPool, SpillManager, LMDBTier]:
     host = HostPool(8, LAYOUT, pin_memory=False)
     disk = LMDBTier(tmp_path / "lmdb", 64 << 20, chunk_blocks=4)
-    spill = SpillManager([disk], [], host, write_workers=1, max_pending_bytes=1 << 30)
+    spill = spill_manager([disk], [], host)
     return host, spill, disk
 
 
