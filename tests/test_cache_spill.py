@@ -6,6 +6,7 @@ import random
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import fakeredis
@@ -287,6 +288,26 @@ def test_write_through_encodes_on_the_encoder_thread_with_the_slots_pinned_until
     spill.flush()
     assert host.num_free == 8 and len(list(redis.keys())) == 2
     assert len(codec.threads) == 1 and codec.threads[0].startswith("kvtier-encode")
+    spill.close()
+
+
+def test_a_stuck_write_through_does_not_keep_its_slots_pinned():
+    host, slots = host_with_chain(8)
+    host.free(slots)
+    redis = fake_redis(chunk_blocks=4)
+    gate, put_many = threading.Event(), redis.put_many
+    redis.put_many = lambda items, only_new=False: gate.wait(10) and put_many(items, only_new)
+    spill = spill_manager([redis], ["redis"], host)
+    spill.on_host_publish(host.cached_blocks(slots[:4]))  # its write gets stuck
+    spill.on_host_publish(host.cached_blocks(slots[4:]))  # its write waits for a worker
+    deadline = time.monotonic() + 10
+    while host.num_free < 8 and time.monotonic() < deadline:  # both encoded: unpinned
+        time.sleep(0.001)
+    assert host.num_free == 8
+    assert not any(redis.contains_many(host.cached_blocks(slots[3::4]).hashes))
+    gate.set()
+    spill.flush()
+    assert all(redis.contains_many(host.cached_blocks(slots[3::4]).hashes))
     spill.close()
 
 
