@@ -31,7 +31,8 @@ not held for a copy and a hash of every block its offloads bring in:
   it does not carry the hashes of its inner blocks).
 
 Each hook call (an eviction, a publish) makes one write per tier, whatever the number
-of chunks, and encodes each chunk once however many tiers of its size take it.
+of chunks. An eviction encodes each chunk once however many tiers of its size take it;
+a publish's chunks are encoded once per write-through tier (on the encoder thread).
 Writes are queued to I/O workers with a bound on the bytes in flight; past it, a
 write is dropped and counted (the tier is not keeping up). A tier never gets a chunk
 it already holds. A chunk just completed in the host pool is seldom there: it is
