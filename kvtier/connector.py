@@ -371,8 +371,8 @@ class ConnectorCache:
         new namespace (``root``; call ``keys`` again), so nothing stored before, in the
         host pool or in the spill tiers, is ever found again through this cache. The
         spill tiers are shared with other engines and keep their values (to age out);
-        the host pool drops its blocks now unless a load or copy holds some (then they
-        age out too)."""
+        the host pool drops its blocks now unless a load, a copy or a write-through
+        encode holds some (then they age out too)."""
         with self._lock:
             self._resets += 1
             self.root = self._namespace_root()
