@@ -489,7 +489,7 @@ def test_a_shorter_run_in_flight_does_not_hide_the_longer_one_stored(tmp_path):
 def test_a_chunk_whose_write_is_in_flight_is_found_and_loaded_from_memory(tmp_path):
     cache, (disk,) = make_cache(tmp_path, disk=True)
     gate = threading.Event()
-    put_many = disk.put_many
+    put_many = disk.put_many  # a slow disk:
     disk.put_many = lambda items, only_new=False: gate.wait(10) and put_many(items, only_new)
     a = prompt(1, 6)
     serve(cache, "a", a)
