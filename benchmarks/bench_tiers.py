@@ -21,7 +21,7 @@ Cases, for each tier (``lmdb``, ``redis``) and chunk size C:
   than kvtier (informational). On a small machine that also runs the Redis server, the
   scheduler often puts a freshly woken worker on the server's core.
   ``... put_many only``: the tier call alone, values encoded beforehand (informational).
-  ``... hook``: µs of each put spent in the host pool's hook, i.e. holding the cache's
+  ``... hook``: µs of each timed put spent in the host pool's hook, holding the cache's
   lock (informational): an eviction's encode, or a write-through's pinning of slots
   for the encoder thread.
 - ``TIER get chunk C``: ``SpillManager.load`` of the batch (the run its ``lookup``
@@ -173,6 +173,8 @@ class Case:
     # A raw case sampled in the group of the cases before it, alternating with them.
     joins_group: bool = False
     worker_ceiling: str | None = None  # the raw case run on a worker thread, if any
+    hook: Callable[[], float] | None = None  # seconds the last call spent in the spill hook
+    hook_samples: list[float] = field(default_factory=list)  # ... of each timed call
 
     def timed(self, arg: Any) -> None:
         """``fn(arg)``, counting the page faults it takes (a fresh page costs µs), and the
@@ -221,7 +223,6 @@ class Bench:
         self.staging = memoryview(bytearray(BLOCKS * self.codec.encoded_nbytes(1)))
         self.cases: list[Case] = []
         self.round_trips: dict[int, list[int]] = {}
-        self.hook_seconds: dict[str, list[float]] = {}  # by put case: its hook's share
         self.tag = f"kvtier-bench-{uuid.uuid4().hex[:12]}"
         self.tmp = Path(tempfile.mkdtemp(prefix=f"{self.tag}-", dir=_tmp_base()))
         self.lmdb_tiers: list[LMDBTier] = []
@@ -502,7 +503,7 @@ class Bench:
         stored_only: list[int] = []
         encoded = list(zip(put.keys, put.values))
 
-        hook = self.hook_seconds.setdefault(f"{name} put chunk {c}", [])
+        hook = [0.0]  # seconds the last put spent in the hook
 
         def put_full(_: object) -> None:
             # What the cache runs: the host pool's hook (under the cache's lock) pins the
@@ -514,7 +515,7 @@ class Bench:
                 manager.on_host_publish(chain)
             else:
                 manager.on_host_evict(tail_first)
-            hook.append(time.perf_counter() - start)
+            hook[0] = time.perf_counter() - start
             manager.flush()
 
         def check_put() -> None:
@@ -569,7 +570,8 @@ class Bench:
         on_worker = f"{raw} on a write worker"
         add(Case(raw, raw_put, raw_setup, "raw", n))
         add(Case(f"{name} put chunk {c}", put_full, setup, thr, n, raw, PUT_CEILING[name],
-                 target, check=check_put, worker_ceiling=on_worker))  # fmt: skip
+                 target, check=check_put, worker_ceiling=on_worker,
+                 hook=lambda: hook[0]))  # fmt: skip
 
         def raw_put_on_worker(arg: object) -> None:
             self.raw_writer.submit(raw_put, arg).result()
@@ -611,6 +613,8 @@ class Bench:
                     case.samples += measure_samples(
                         case.timed, 1, warmup=0 if i else 1, setup=case.setup
                     )
+                    if case.hook:  # of the timed call, the last one
+                        case.hook_samples.append(case.hook())
             for case in group:
                 case.check()
 
@@ -671,33 +675,26 @@ class Bench:
                         )
                     )
             else:
-                med, lo, hi = (x * 1e6 for x in summarize(case.samples))
+                row = _micros(
+                    case.name,
+                    "time per lookup of a 4k-token prompt (256 block hashes)",
+                    case.samples,
+                )
                 rows.append(
-                    Result(
-                        case=case.name,
-                        metric="time per lookup of a 4k-token prompt (256 block hashes)",
-                        unit="µs",
-                        value=med,
-                        min=lo,
-                        max=hi,
+                    replace(
+                        row,
                         ceiling=summarize(ceiling.samples)[0] * 1e6 if ceiling else None,
                         ceiling_what=case.ceiling_what,
-                        higher_is_better=False,
                     )
                 )
-        for case, hook in self.hook_seconds.items():
-            med, lo, hi = (x * 1e6 for x in summarize(hook))
-            rows.append(
-                Result(
-                    case=f"{case} hook",
-                    metric="time the spill hook holds the caller (the cache's lock) per put",
-                    unit="µs",
-                    value=med,
-                    min=lo,
-                    max=hi,
-                    higher_is_better=False,
+            if case.hook_samples:
+                rows.append(
+                    _micros(
+                        f"{case.name} hook",
+                        "time the spill hook holds the caller (the cache's lock) per put",
+                        case.hook_samples,
+                    )
                 )
-            )
         for c, trips in self.round_trips.items():
             if trips:
                 rows.append(
@@ -748,6 +745,14 @@ def _case_order(name: str) -> tuple[int, int, int, int]:
         "4k tokens",
     )
     return group, op, c, variant.index(rest) if rest in variant else len(variant)
+
+
+def _micros(case: str, metric: str, samples: list[float]) -> Result:
+    """A row of ``samples`` (seconds) in µs: their median, min and max; lower is better."""
+    med, lo, hi = (x * 1e6 for x in summarize(samples))
+    return Result(
+        case=case, metric=metric, unit="µs", value=med, min=lo, max=hi, higher_is_better=False
+    )
 
 
 def _median_faults(faults: list[int], raw: list[int]) -> str:
