@@ -6,14 +6,13 @@ import random
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import fakeredis
 import numpy as np
 import pytest
 import torch
-from redis_servers import unique_prefix
+from redis_servers import unique_prefix, wait_until
 
 from kvtier.cache import TieredCache
 from kvtier.chunk import ChunkCodec, byte_rows
@@ -300,9 +299,7 @@ def test_a_stuck_write_through_does_not_keep_its_slots_pinned():
     spill = spill_manager([redis], ["redis"], host)
     spill.on_host_publish(host.cached_blocks(slots[:4]))  # its write gets stuck
     spill.on_host_publish(host.cached_blocks(slots[4:]))  # its write waits for a worker
-    deadline = time.monotonic() + 10
-    while host.num_free < 8 and time.monotonic() < deadline:  # both encoded: unpinned
-        time.sleep(0.001)
+    wait_until(lambda: host.num_free == 8, 10, "both encodes to unpin their slots", 0.001)
     assert host.num_free == 8
     assert not any(redis.contains_many(host.cached_blocks(slots[3::4]).hashes))
     gate.set()
