@@ -472,9 +472,9 @@ class Bench:
         if self.server_stat is not None:
             for case in self.cases:
                 if case.name.startswith(("redis ", "raw redis ")):
-                    case.server = self.server_faults
+                    case.server = self.server_faults_so_far
 
-    def server_faults(self) -> int:
+    def server_faults_so_far(self) -> int:
         """The local Redis server's minor page faults so far (``/proc/PID/stat``)."""
         assert self.server_stat is not None
         stat = os.pread(self.server_stat, 4096, 0)
