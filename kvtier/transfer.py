@@ -301,9 +301,11 @@ class TransferEngine:
         self.workers = max(1, workers)
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="kvtier-io")
         self._copier = None if self._cuda else Copier()
-        # Byte-row views of the tensors given to background copies (the pools), kept
-        # with their tensor so that an id is never reused while its view is cached.
-        self._rows: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
+        # Byte-row views of the tensors given to background copies (the pools) and their
+        # row size, kept with their tensor so that an id is never reused while its view
+        # is cached. The size is kept too: reading it again (torch's nbytes, or numpy's
+        # shape) costs µs per request.
+        self._rows: dict[int, tuple[torch.Tensor, np.ndarray, int]] = {}
 
     def mark(self) -> torch.cuda.Event | None:
         """An event on the caller's current stream (None on CPU): pass it as ``after`` to
@@ -332,12 +334,12 @@ class TransferEngine:
         """
         if background and self._copier is not None:
             try:
-                src_rows, dst_rows = self._byte_rows(src), self._byte_rows(dst)
-                job = self._copier.submit(src_rows, src_ids, dst_rows, dst_ids, dst_rows.shape[1])
+                src_rows, _ = self._byte_rows(src)
+                dst_rows, row = self._byte_rows(dst)
+                job = self._copier.submit(src_rows, src_ids, dst_rows, dst_ids, row)
             except Exception as e:  # reported through the handle, never raised
                 return Transfer(_nbytes(dst, dst_ids), error=e)
-            # The row size from the numpy view: reading torch's nbytes costs µs.
-            return Transfer(len(dst_ids) * dst_rows.shape[1], job=job)
+            return Transfer(len(dst_ids) * row, job=job)
         nbytes = _nbytes(dst, dst_ids)
         s = np.array(src_ids, dtype=np.int64)
         d = np.array(dst_ids, dtype=np.int64)
@@ -369,9 +371,11 @@ class TransferEngine:
         if self._copier is not None:
             self._copier.close()
 
-    def _byte_rows(self, t: torch.Tensor) -> np.ndarray:
-        """``t`` (contiguous, on the CPU, ``[rows, ...]``) as a uint8 ``[rows, bytes]`` view."""
+    def _byte_rows(self, t: torch.Tensor) -> tuple[np.ndarray, int]:
+        """``t`` (contiguous, on the CPU, ``[rows, ...]``) as a uint8 ``[rows, bytes]`` view,
+        and the bytes per row."""
         cached = self._rows.get(id(t))
         if cached is None or cached[0] is not t:
-            cached = self._rows[id(t)] = (t, byte_rows(t))  # ValueError for another tensor
-        return cached[1]
+            rows = byte_rows(t)  # ValueError for another tensor
+            cached = self._rows[id(t)] = (t, rows, rows.shape[1])
+        return cached[1], cached[2]
