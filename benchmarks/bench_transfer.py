@@ -40,7 +40,12 @@ said otherwise:
   repetition first, untimed, evicts the prefix from the GPU pool back to the host
   pool (a filler request takes every GPU block) and shuffles the GPU pool's free
   blocks, so the request gets scattered GPU blocks as on a server whose pool has been
-  churning. ``prefetch API N blocks[ warm]: STEP`` rows break the request down.
+  churning. ``prefetch API N blocks[ warm]: STEP`` rows break the request down; the
+  last of them, ``pools and copier called directly``, is the floor under the overhead:
+  the same request's work as direct calls on the pools and the transfer engine
+  (hashing, prefix probes, pinning, allocation, the copy's hand-off, publishing,
+  freeing; no ``TieredCache`` or ``BlockManager``), minus its copy, sampled after
+  the API request in the same CPU cache state.
 
 Every timed repetition (but the warm API ones) starts with the last-level CPU cache
 flushed (an untimed read of 64 MiB), so each copy reads memory cold, as a server's
@@ -178,6 +183,7 @@ class ApiSamples:
     free: list[float] = field(default_factory=list)
     copy: list[float] = field(default_factory=list)  # the copy inside wait, engine-timed
     raw: list[float] = field(default_factory=list)  # copy_blocks of the same blocks, after
+    direct: list[float] = field(default_factory=list)  # PrefetchAPI.direct, minus its copy
 
 
 class Bench:
@@ -470,6 +476,7 @@ class PrefetchAPI:
         self.samples = {(n, cold): ApiSamples() for n in SIZES for cold in (True, False)}
         self.last: tuple[PrefixHit, list[int] | None, int] | None = None
         self.steps: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+        self.direct_overhead = 0.0
         self.before = self.cache.stats().tiers["cpu"]
         for n in SIZES:  # serve each prompt once: its blocks become cached
             self.serve(self.tokens[n])
@@ -527,6 +534,28 @@ class PrefetchAPI:
         self.last = (hit, table, valid)
         self.steps = (t1 - t0, t2 - t1, t3 - t2, t4 - t3)
 
+    def direct(self, arg: tuple[int, list[int]]) -> None:
+        """Timed: the request's work called straight on the pools and the transfer engine,
+        with no ``TieredCache`` or ``BlockManager`` around it: hash the prompt, find its
+        prefix in both pools, pin the host slots, take GPU blocks, copy them up, unpin,
+        publish, free. Its time minus the copy's is the floor under the API's overhead."""
+        _, tokens = arg
+        cache, hasher = self.cache, self.cache.manager.hasher
+        gpu, host = cache.gpu, cache.host
+        start = time.perf_counter()
+        wanted = hasher.hash_blocks(tokens)[: (len(tokens) - 1) // self.block_size]
+        slots = host.lookup(wanted[len(gpu.lookup(wanted)) :])
+        n = len(slots)
+        host.touch(slots)
+        blocks = gpu.allocate(n + 1)
+        copy = cache.transfer.copy(host.slab, slots, gpu.kv, blocks[:n], background=True)
+        copy.join()
+        host.free(slots)
+        gpu.publish(blocks[:n], wanted, range(n), [hasher.root, *wanted[:-1]])
+        gpu.free(blocks)
+        self.direct_overhead = time.perf_counter() - start - copy.seconds
+        assert n == len(wanted) and copy.error is None, "direct request: not a full host hit"
+
     def raw_copy(self, arg: tuple[list[int], list[int]]) -> None:
         """Timed: copy_blocks of the same host slots into the same GPU blocks."""
         slots, table = arg
@@ -535,8 +564,8 @@ class PrefetchAPI:
 
     def sample(self, n: int, warmup: int) -> None:
         """One sample with the CPU cache cold and one with it warm (the step times, the
-        copy inside, the raw copy after), after ``warmup`` untimed ones (warm: and
-        ``WARM_REQUESTS`` more, back to back)."""
+        copy inside, the raw copy after, then the direct request), each after ``warmup``
+        untimed ones (warm: and ``WARM_REQUESTS`` more, back to back)."""
         for cold in (True, False):
             out = self.samples[n, cold]
             # Warm: after requests of the same size back to back, as in a serving loop.
@@ -568,6 +597,9 @@ class PrefetchAPI:
                 out.raw.append(raw)
                 for lst, t in zip((out.lookup, out.allocate, out.wait, out.free), steps):
                     lst.append(t)
+            for _ in range(warmup_here + 1):  # the same, its steps called directly
+                measure_samples(self.direct, 1, 0, setup=partial(self.prepare, n, cold))
+            out.direct.append(self.direct_overhead)
 
     def results(self, n: int, ceiling: float, what: str) -> tuple[list[Result], list[Result]]:
         """The API's throughput row (cold), its overhead rows (cold, warm) and its step
@@ -616,6 +648,7 @@ class PrefetchAPI:
                 ("free", s.free),
                 ("copy_blocks inside wait", s.copy),
                 ("raw copy_blocks, same blocks after", s.raw),
+                ("pools and copier called directly, minus the copy", s.direct),
             )
             for step, samples in steps:
                 m, lo, hi = summarize(samples)
