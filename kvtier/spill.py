@@ -477,7 +477,7 @@ class SpillManager:
                 encoded.update(((key, start), v) for (key, start, _), v in zip(todo, values))
             items = [(key, encoded[key, start], len(slots)) for key, start, slots in chunks]
             self._track(tier, items)
-            self._queue(tier, self._writers, partial(self._put, tier, items, nbytes, False))
+            self._queue(tier, self._writers, partial(self._put, tier, items, nbytes, fresh=False))
 
     def _encode_later(self, tier: SpillTier, chunks: list[Chunk]) -> None:
         """Pin the slots of ``chunks`` (under the caller's lock) and queue their encode,
@@ -505,7 +505,7 @@ class SpillManager:
         finally:
             with self._host_lock:
                 self.host.free(slots)
-        self._background(tier, self._writers, partial(self._put, tier, items, nbytes, True))
+        self._background(tier, self._writers, partial(self._put, tier, items, nbytes, fresh=True))
 
     def _reserve_chunks(self, tier: SpillTier, chunks: list[Chunk]) -> int:
         """``_reserve`` the bytes of ``chunks``' values; 0 when there are none or no room."""
@@ -529,7 +529,9 @@ class SpillManager:
         nbytes = sum(len(value) for _, value in evicted)
         if self._reserve(tier, nbytes, sum(n for _, _, n in items)):
             self._track(tier, items)
-            self._background(tier, self._writers, partial(self._put, tier, items, nbytes, False))
+            self._background(
+                tier, self._writers, partial(self._put, tier, items, nbytes, fresh=False)
+            )
 
     def _reserve(self, tier: SpillTier, nbytes: int, blocks: int) -> bool:
         """Count ``nbytes`` as queued for a write; False (and the blocks dropped) when the
