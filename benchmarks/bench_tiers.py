@@ -25,7 +25,13 @@ Cases, for each tier (``lmdb``, ``redis``) and chunk size C:
   within 6% of the raw pipeline's ``execute`` (3.39-3.51 vs 3.31-3.35 ms); unpinned,
   18-19% longer. What is left of the gap when pinned is the checksum (encode
   2.06-2.22 ms vs the raw gather's 1.55-1.58), the hook, and the hand-offs to the
-  encoder, to the write worker and back (~0.55 ms together).
+  encoder, to the write worker and back (~0.55 ms together). The sharing costs any
+  thread, raw or not: with the server pinned to core 1 and the main thread to core 0,
+  the raw put of chunk 32 (gather and pipeline) took 2.75-3.24 ms from a worker
+  pinned to core 0 and 4.17-7.50 ms from one pinned to core 1 (medians of 60, three
+  runs). Full runs with the server on core 1 and the benchmark on core 0 (so LMDB
+  loses its second core): ``redis put chunk 32`` 0.745-0.839, ``chunk 8`` 0.795-0.810;
+  unpinned, the same day, 0.654-0.716 and 0.688-0.742.
   ``... put_many only``: the tier call alone, values encoded beforehand (informational).
   ``... hook``: µs of each timed put spent in the host pool's hook, holding the cache's
   lock (informational): an eviction's encode, or a write-through's pinning of slots
