@@ -64,10 +64,18 @@ Failure model (design rule 4)
     fallback, which re-sends each of that node's keys on its own and so waits
     ``socket_timeout`` (twice) per key on a hung node (measured: 41 s for a batch
     of 256 keys over 3 nodes, against 0.3 s here); MOVED/ASK replies (resharding)
-    re-run the batch once with redirections followed. There is no sticky dead
-    state: the next call simply tries again and redis-py reconnects, so a tier
-    recovers on its own when its server returns. ``from_config`` does not
-    connect for a single server; a cluster client reads the topology when built,
+    re-run the batch once with redirections followed.
+
+    A timeout opens the node's circuit breaker (``kvtier.tiers.breaker``): calls
+    that need that node (the server, or a cluster node holding one of the batch's
+    keys) fail at once with ``TierError`` for a back-off of 1 s, doubling while
+    the node stays hung up to 30 s, then one call probes it. So a hung node
+    costs at most one socket timeout per back-off period, and a node that
+    answers again is used at once. A refused connection opens nothing (it costs
+    no time): the next call simply tries again and redis-py reconnects, so a
+    tier recovers on its own when its server returns, restarted or resumed.
+    ``from_config`` does not connect for a single server; a cluster client reads
+    the topology when built,
     and a failure there is a ``TierError``.
 
 Threads
@@ -103,6 +111,7 @@ from redis.exceptions import (
 from redis.retry import Retry
 
 from kvtier.tiers.base import Buffer, SpillTier, TierError, TierUsage, ValueSink
+from kvtier.tiers.breaker import CircuitBreaker
 
 if TYPE_CHECKING:
     from kvtier.config import RedisTierConfig
@@ -130,6 +139,8 @@ local sizes = {}
 for i, key in ipairs(KEYS) do sizes[i] = redis.call('STRLEN', key) end
 return cmsgpack.pack(sizes)
 """
+
+_SERVER = "server"  # the breaker's node name for a single server
 
 Client = redis.Redis | RedisCluster
 
@@ -159,6 +170,17 @@ def _as_bytes_view(value: Buffer) -> bytes | memoryview:
     return view
 
 
+def _is_timeout(e: BaseException | None) -> bool:
+    """Whether ``e`` (or an exception it was raised from) is a socket timeout."""
+    for _ in range(8):  # a cause chain is short; never loop on a cycle
+        if e is None:
+            return False
+        if isinstance(e, (redis.TimeoutError, TimeoutError)):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def _ttl_ms(ttl: float | None) -> int | None:
     if ttl is None:
         return None
@@ -186,6 +208,7 @@ class RedisTier(SpillTier):
         ttl: float | None,
         key_prefix: str = "kvtier",
         name: str = "redis",
+        breaker: CircuitBreaker | None = None,
     ) -> None:
         if chunk_blocks < 1:
             raise ValueError(f"chunk_blocks must be >= 1, got {chunk_blocks!r}")
@@ -207,6 +230,7 @@ class RedisTier(SpillTier):
         self._lock = threading.Lock()
         self._closed = False
         self._sizes_by_script = not self.is_cluster  # until the server refuses the script
+        self.breaker = breaker if breaker is not None else CircuitBreaker()
 
     # --- construction ---------------------------------------------------------------
 
@@ -434,41 +458,68 @@ class RedisTier(SpillTier):
         """Run the commands ``fill`` queues as one pipeline; per-command results.
 
         Results that are instances of ``skip`` come back as None; any other error
-        raises ``TierError``.
+        raises ``TierError``, as does a node skipped by the breaker.
         """
         self._check_open()
-        try:
-            if self.is_cluster:
+        if self.is_cluster:
+            try:
                 results = self._cluster_batch(fill)
-            else:
-                pipe = self.client.pipeline(transaction=False)
-                n = len(fill(pipe))
-                self._count(1, n)
-                results = pipe.execute(raise_on_error=False)
-        except _REDIS_ERRORS as e:
-            raise self._fail(e) from e
+            except _REDIS_ERRORS as e:
+                raise self._fail(e) from e
+        else:
+            pipe = self.client.pipeline(transaction=False)
+            n = len(fill(pipe))
+            results = self._on_server(lambda: pipe.execute(raise_on_error=False), n)
         return self._check_results(results, skip)
+
+    def _on_server(self, call: Callable[[], Any], commands: int) -> Any:
+        """``call()`` (one round trip of ``commands`` to the single server), through the
+        breaker; a redis-py error is raised as ``TierError``."""
+        if self.breaker.blocked((_SERVER,)) is not None:
+            raise self._skipped(_SERVER)
+        self._count(1, commands)
+        try:
+            result = call()
+        except _REDIS_ERRORS as e:
+            self._report(_SERVER, e)
+            raise self._fail(e) from e
+        self.breaker.answered(_SERVER)
+        return result
+
+    def _report(self, node: str, error: BaseException | None) -> None:
+        """Tell the breaker how ``node``'s part of a call ended (None: it answered)."""
+        if error is not None and _is_timeout(error):
+            backoff = self.breaker.timed_out(node, error)
+            log.debug("kvtier: %r: %s timed out; skipped for %.0f s", self, node, backoff)
+        else:
+            self.breaker.answered(node)
+
+    def _skipped(self, node: str) -> TierError:
+        """The error of a call skipped because ``node`` is open, caused by its timeout."""
+        error = TierError(f"{self!r}: {node} timed out before; skipped until it is probed again")
+        error.__cause__ = self.breaker.cause(node)
+        return error
 
     def _script_sizes(self, redis_keys: list[bytes]) -> list[int] | None:
         """STRLEN of each key through ``_SIZES_SCRIPT`` (one command); None, and the
         pipeline from then on, when the server answers that it cannot run it. A key
         that holds no string is a ``TierError``, as in the pipeline."""
         self._check_open()
-        self._count(1, 1)
         try:
-            packed = self.client.eval(_SIZES_SCRIPT, len(redis_keys), *redis_keys)
-        except ResponseError as e:
-            if str(e).startswith("WRONGTYPE"):
-                raise self._fail(e) from e
+            packed = self._on_server(
+                lambda: self.client.eval(_SIZES_SCRIPT, len(redis_keys), *redis_keys), 1
+            )
+        except TierError as e:
+            cause = e.__cause__
+            if not isinstance(cause, ResponseError) or str(cause).startswith("WRONGTYPE"):
+                raise
             self._sizes_by_script = False
             log.info(
                 "kvtier: %r asks sizes with a pipeline: the server cannot run a script (%s)",
                 self,
-                e,
+                cause,
             )
             return None
-        except _REDIS_ERRORS as e:
-            raise self._fail(e) from e
         sizes = msgpack.unpackb(packed) if isinstance(packed, bytes) else None
         if not isinstance(sizes, list) or len(sizes) != len(redis_keys):
             raise TierError(f"{self!r}: the sizes script returned {packed!r:.80}")
@@ -493,16 +544,41 @@ class RedisTier(SpillTier):
         the batch at once, and only redirections (live nodes) are followed, by one
         re-run of the batch.
         """
-        pipe = self.client.pipeline(transaction=False)
+        client: RedisCluster = self.client  # type: ignore[assignment]
+        pipe = client.pipeline(transaction=False)
         n = len(fill(pipe))
         stack = _pipeline_queue(pipe)
+        # Every command here names one key (its first argument): the node that holds it.
+        nodes = [client.get_node_from_key(c.args[1]).name for c in stack]
+        batch_nodes = list(dict.fromkeys(nodes))
+        hung = self.breaker.blocked(batch_nodes)
+        if hung is not None:
+            pipe.reset()
+            raise self._skipped(hung)
         self._count(1, n)
         try:
             results = pipe.send_cluster_commands(
                 stack, raise_on_error=False, allow_redirections=False
             )
+        except _REDIS_ERRORS as e:
+            # Raised when a node's connection cannot be set up: the message may name
+            # it; if not, blame the nodes being probed (their connections were dropped
+            # when they timed out), else all of the batch's.
+            text = " ".join(str(x) for x in (e, e.__cause__, e.__context__) if x is not None)
+            probed = set(self.breaker.open_nodes())
+            named = (
+                [node for node in batch_nodes if node in text]
+                or [node for node in batch_nodes if node in probed]
+                or batch_nodes
+            )
+            for node in batch_nodes:
+                self._report(node, e if node in named else None)
+            raise
         finally:
             pipe.reset()
+        for node in batch_nodes:
+            failed = (r for r, at in zip(results, nodes) if at == node)
+            self._report(node, next((r for r in failed if isinstance(r, BaseException)), None))
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors and all(isinstance(r, _REDIRECTS) for r in errors):
             pipe = self.client.pipeline(transaction=False)
