@@ -1,4 +1,5 @@
-"""File-system faults for tests: directories that even root cannot write into."""
+"""File-system faults for tests: directories that even root cannot write into, and
+small file systems that fill up."""
 
 from __future__ import annotations
 
@@ -24,3 +25,13 @@ def make_read_only(directory: Path) -> Callable[[], None] | None:
     if not chattr or subprocess.run([chattr, "+i", str(directory)], capture_output=True).returncode:
         return None
     return lambda: subprocess.run([chattr, "-i", str(directory)], check=True)
+
+
+def mount_small_tmpfs(directory: Path, nbytes: int) -> Callable[[], None] | None:
+    """Mount a tmpfs of ``nbytes`` on ``directory``; returns the unmount, or None where
+    mounting is not allowed (not root, no mount namespace rights)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={nbytes}", "tmpfs", str(directory)]
+    if subprocess.run(mount, capture_output=True).returncode:
+        return None
+    return lambda: subprocess.run(["umount", str(directory)], check=True)

@@ -77,12 +77,38 @@ Do not use a tier across ``fork()``; open it in the child.
 
 Every other ``lmdb.Error`` (a directory that cannot be written, a full disk, a corrupt
 file) is raised as ``TierError`` with the LMDB error chained.
+
+A full file system
+------------------
+LMDB cannot commit anything, not even an eviction, once its file can neither grow nor
+reuse a page (a page freed by a commit is reused two commits later at the earliest).
+So the tier keeps a reserve: before a write, if the file system's free space is below
+the batch plus ``FS_SLACK`` (at most 1/8 of the file system) and ``data.mdb`` has grown
+since the last time, ``capacity`` drops to 90% of the bytes the store holds and the
+excess is evicted in transactions of their own, whose pages the write and later ones
+reuse inside ``data.mdb``. The first drop logs a warning; capacity does not grow back
+until the tier is reopened. A write that still fails is a ``TierError`` like any other.
+Opening a store whose capacity exceeds what the file system can give it logs one
+warning.
+
+A damaged store
+---------------
+LMDB reads pages straight out of its memory map, so a ``data.mdb`` shorter than the
+pages its meta page says are in use (a partial copy, a restore cut short) would kill
+the process with ``SIGBUS`` on the first read of a missing page. On open the tier
+checks that the file holds every page up to ``last_pgno``; a store that fails this, or
+that LMDB itself reports as corrupt or not an LMDB file, is moved aside (its files
+renamed with a ``.damaged-<unix time>`` suffix) with one warning, and the tier starts
+empty in the same directory.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -96,6 +122,8 @@ if TYPE_CHECKING:
     from kvtier.config import DiskTierConfig
 
 __all__ = ["LMDBTier"]
+
+log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 SCHEMA_VERSION = 1
@@ -120,6 +148,8 @@ ENV_OPTIONS: dict[str, object] = {
 MAX_RESIZE_RETRIES = 64  # map resizes one call may go through before it gives up
 KEYS_PAGE = 1024  # keys() reads this many keys per read transaction
 MAX_PENDING_USES = 4096  # reads recorded as uses by the next write at the latest
+FS_SLACK = 16 * MiB  # free space (at most 1/8 of the file system) a write keeps in reserve
+FULL_DISK_SHRINK = 0.9  # on a nearly full disk, capacity drops to this share of what is held
 
 _VERSION, _NBYTES, _SEQ = b"version", b"nbytes", b"seq"
 _SEQ_LEN = 8
@@ -132,6 +162,15 @@ def _u64(n: int) -> bytes:
 
 def _int(b: Buffer | None) -> int:
     return 0 if b is None else int.from_bytes(b, "big")
+
+
+def _missing_pages(env: lmdb.Environment, data_file: Path) -> str | None:
+    """Why ``data_file`` cannot hold every page ``env`` says is in use; None if it can."""
+    size = data_file.stat().st_size
+    needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    if size < needed:
+        return f"data.mdb has {size} bytes, its pages in use need {needed}"
+    return None
 
 
 class _SharedExclusiveLock:
@@ -214,6 +253,8 @@ class LMDBTier(SpillTier):
         # Keys get_many found, not yet recorded as used (see "Eviction protocol").
         self._uses: list[bytes] = []
         self._uses_lock = threading.Lock()
+        self._fitted_size = 0  # size of data.mdb when capacity was last lowered to the disk
+        self._shrink_lock = threading.Lock()
 
         try:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -228,14 +269,14 @@ class LMDBTier(SpillTier):
                 )
             _open_stores.add(self._store_id)
         try:
-            self._env = lmdb.open(str(self.path), map_size=initial, **ENV_OPTIONS)
+            self._env = self._open_env(initial)
             self._env.reader_check()  # free reader slots of processes that died
             self._init_schema()
         except BaseException as e:
             self._release()
             if isinstance(e, TierError):
                 raise
-            if isinstance(e, lmdb.Error):
+            if isinstance(e, (lmdb.Error, OSError)):
                 raise TierError(f"{name}: cannot open the LMDB store {self.path}: {e}") from e
             raise
 
@@ -245,6 +286,34 @@ class LMDBTier(SpillTier):
         return cls(cfg.resolved_path, cfg.capacity, cfg.chunk_blocks, name="disk")
 
     # --- opening and closing -------------------------------------------------------
+
+    def _open_env(self, map_size: int) -> lmdb.Environment:
+        """The environment at ``self.path``, a damaged one moved aside first (see "A
+        damaged store")."""
+        try:
+            env = lmdb.open(str(self.path), map_size=map_size, **ENV_OPTIONS)
+        except (lmdb.CorruptedError, lmdb.InvalidError) as e:
+            damage = f"LMDB cannot read it: {e}"
+        else:
+            damage = _missing_pages(env, self.path / "data.mdb")
+            if damage is None:
+                return env
+            env.close()
+        suffix = f".damaged-{int(time.time())}"
+        moved = []
+        for file in sorted(self.path.glob("*.mdb")):
+            file.rename(file.with_name(file.name + suffix))
+            moved.append(file.name)
+        log.warning(
+            "kvtier: %s: the LMDB store in %s is damaged (%s); moved %s aside (suffix %s) "
+            "and starting empty",
+            self.name,
+            self.path,
+            damage,
+            " and ".join(moved),
+            suffix,
+        )
+        return lmdb.open(str(self.path), map_size=map_size, **ENV_OPTIONS)
 
     def _init_schema(self) -> None:
         env = self._env
@@ -272,14 +341,68 @@ class LMDBTier(SpillTier):
 
         self._run(init, write=True)
         if self.usage().nbytes > self.capacity:  # reopened with a smaller capacity
+            self._evict_to_fit(0)
+        data_nbytes = (self.path / "data.mdb").stat().st_size
+        free = shutil.disk_usage(self.path).free
+        if self.capacity > data_nbytes + free:
+            log.warning(
+                "kvtier: %s: capacity %d B exceeds what the file system of %s can hold for "
+                "it (%d B: %d B in data.mdb, %d B free); the tier shrinks if the disk fills",
+                self.name,
+                self.capacity,
+                self.path,
+                data_nbytes + free,
+                data_nbytes,
+                free,
+            )
 
-            def shrink(txn: lmdb.Transaction) -> int:
-                evicted: list[tuple[bytes, bytes]] = []
-                total = self._evict(txn, _int(txn.get(_NBYTES, db=self._meta)), 0, evicted, False)
-                txn.put(_NBYTES, _u64(total), db=self._meta)
-                return len(evicted)
+    def _evict_to_fit(self, room: int) -> None:
+        """Evict, in a transaction of its own, until ``room`` more bytes fit within
+        ``capacity``; the values evicted go to ``on_evict``. (A later transaction can
+        reuse the pages this one frees; the one that frees them cannot.)"""
+        keep = self.on_evict is not None
 
-            self._count_evictions(self._run(shrink, write=True))
+        def shrink(txn: lmdb.Transaction) -> list[tuple[bytes, bytes]]:
+            evicted: list[tuple[bytes, bytes]] = []
+            total = self._evict(txn, _int(txn.get(_NBYTES, db=self._meta)), room, evicted, keep)
+            txn.put(_NBYTES, _u64(total), db=self._meta)
+            return evicted
+
+        evicted = self._run(shrink, write=True)
+        self._count_evictions(len(evicted))
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
+
+    def _fit_file_system(self, room: int) -> None:
+        """Before a write of ``room`` bytes: lower ``capacity`` if the file system is
+        nearly full and ``data.mdb`` grew since it was last lowered (see "A full file
+        system")."""
+        try:
+            disk = shutil.disk_usage(self.path)
+            size = (self.path / "data.mdb").stat().st_size
+        except OSError:
+            return
+        if disk.free >= room + min(FS_SLACK, disk.total // 8) or size <= self._fitted_size:
+            return
+        with self._shrink_lock:
+            if size <= self._fitted_size:
+                return  # another write lowered it meanwhile
+            lowered = max(1, int(min(self.capacity, self.usage().nbytes) * FULL_DISK_SHRINK))
+            (log.debug if self._fitted_size else log.warning)(
+                "kvtier: %s: the file system of %s is nearly full (%d B free); capacity "
+                "lowered from %d B to %d B",
+                self.name,
+                self.path,
+                disk.free,
+                self.capacity,
+                lowered,
+            )
+            self.capacity, self._fitted_size = lowered, size
+        # Twice: LMDB reuses a page two commits after it was freed. On a disk already
+        # full either may fail; the write after them tells.
+        for _ in range(2):
+            with suppress(TierError):
+                self._evict_to_fit(room)
 
     def _release(self) -> None:
         if self._env is not None:
@@ -520,12 +643,12 @@ class LMDBTier(SpillTier):
         if not items:
             self._check_open()
             return 0
-        capacity = self.capacity
         data, meta = self._data, self._meta
 
         keep = self.on_evict is not None  # evicted values are copied out only if taken
 
         def put(txn: lmdb.Transaction) -> tuple[int, list[tuple[bytes, bytes]]]:
+            capacity = self.capacity
             total = _int(txn.get(_NBYTES, db=meta))
             seq = _int(txn.get(_SEQ, db=meta))
             stored = 0
@@ -555,6 +678,7 @@ class LMDBTier(SpillTier):
             txn.put(_SEQ, _u64(seq), db=meta)
             return stored, evicted
 
+        self._fit_file_system(sum(memoryview(v).nbytes for _, v in items))
         stored, evicted = self._run(put, write=True)
         self._count_evictions(len(evicted))  # only once the batch has committed
         if evicted and self.on_evict is not None:
