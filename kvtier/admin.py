@@ -15,10 +15,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import islice
 
-from kvtier.cache import open_spill_tier, spill_namespace
 from kvtier.chunk import BadChunk, ChunkCodec
 from kvtier.config import ConfigError, KVTierConfig
 from kvtier.layout import KVLayout
+from kvtier.tiers import open_spill_tier, spill_namespace
 from kvtier.tiers.base import SpillTier, TierError, TierUsage
 
 READ_PAGE = 32  # chunk values read per batch by ``list_chunks``

@@ -46,12 +46,13 @@ from kvtier.block_pool import CachedBlocks
 from kvtier.config import ConfigError, KVTierConfig, load_config
 from kvtier.gpu_pool import GPUBlockPool
 from kvtier.hashing import BlockHasher, ExtraKeys, TokenIds, namespace_root
-from kvtier.host_pool import HostPool
+from kvtier.host_tiers import HostTiers
 from kvtier.layout import KVLayout
 from kvtier.metrics import CacheStats, TierStats
 from kvtier.prometheus import MetricsServer, serve_metrics
-from kvtier.spill import LoadResult, SpillManager, SpillRun
-from kvtier.tiers.base import SpillTier, TierError, TierUsage
+from kvtier.spill import LoadResult, SpillRun
+from kvtier.tiers import spill_namespace
+from kvtier.tiers.base import SpillTier, TierUsage
 from kvtier.transfer import Transfer, TransferEngine
 
 log = logging.getLogger(__name__)
@@ -195,45 +196,6 @@ def _resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def spill_namespace(config: KVTierConfig, layout: KVLayout) -> str:
-    """The namespace of a cache's keys in shared spill tiers (Redis): 16 hex digits of
-    its namespace root, so different models, layouts or salts never meet."""
-    hashing = config.hashing
-    root = namespace_root(config.model, layout.fingerprint, hashing.salt, hashing.algorithm)
-    return root.hex()[:16]
-
-
-def open_spill_tier(config: KVTierConfig, name: str, namespace: str) -> SpillTier:
-    """The spill tier ``tiers.<name>`` of ``config`` (``TierError`` if it cannot be opened)."""
-    from kvtier.tiers.lmdb import LMDBTier
-    from kvtier.tiers.redis import RedisTier
-
-    cfg = getattr(config.tiers, name)
-    return LMDBTier.from_config(cfg) if name == "disk" else RedisTier.from_config(cfg, namespace)
-
-
-def open_spill_tiers(config: KVTierConfig, namespace: str) -> tuple[list[SpillTier], list[str]]:
-    """The configured spill tiers in spill order, and the names of those that could not
-    be opened: left out with a warning, or, if ``required``, a ``TierError`` (after
-    closing the ones already open)."""
-    tiers: list[SpillTier] = []
-    failed: list[str] = []
-    for name in config.tiers.spill_order:
-        cfg = getattr(config.tiers, name)
-        try:
-            tier = open_spill_tier(config, name, namespace)
-        except TierError as e:
-            if cfg.required:
-                for opened in tiers:
-                    opened.close()
-                raise
-            log.warning("kvtier: %s tier disabled, it could not be opened: %s", name, e)
-            failed.append(name)
-            continue
-        tiers.append(tier)
-    return tiers, failed
-
-
 class TieredCache:
     """A prefix cache whose blocks live on the GPU, in host memory, on disk and in Redis."""
 
@@ -260,7 +222,21 @@ class TieredCache:
         self.device = torch.device(device) if device else _resolve_device(config.tiers.gpu.device)
         algorithm = config.hashing.algorithm
         root = namespace_root(config.model, layout.fingerprint, config.hashing.salt, algorithm)
-        self.host = HostPool.with_capacity(cpu.capacity, layout, cpu.pin_memory) if cpu else None
+        self._lock = threading.RLock()
+        self.below = (
+            HostTiers(
+                config, layout, self.device, self._lock, spill_namespace(config, layout), tiers
+            )
+            if cpu
+            else None
+        )
+        self.host = self.below.host if self.below else None
+        self.spill = self.below.spill if self.below else None
+        self.transfer = (
+            self.below.transfer
+            if self.below
+            else TransferEngine(self.device, config.transfer.io_threads)
+        )
         self.gpu = GPUBlockPool(
             config.tiers.gpu.resolve_num_blocks(layout),
             layout,
@@ -268,39 +244,17 @@ class TieredCache:
             on_evict=self._on_gpu_evict if self.host else None,
         )
         self.manager = BlockManager(self.gpu, BlockHasher(root, self.block_size, algorithm))
-        self.transfer = TransferEngine(self.device, config.transfer.io_threads)
         self._eager = cpu is not None and cpu.write_policy == "eager"
-        self._lock = threading.RLock()
         self._offloads: list[_Offload] = []
         self._prefetches: dict[Hashable, _Prefetch] = {}  # until the request is freed
         self._unsettled: dict[Hashable, _Prefetch] = {}  # until ``_poll`` settles them
         self._metrics: MetricsServer | None = None
-        failed: list[str] = []
-        if tiers is None and cpu:
-            tiers, failed = open_spill_tiers(config, spill_namespace(config, layout))
-        # A tier left out at start-up stays visible: one error, nothing else.
         self._stats = CacheStats(
-            {
-                "gpu": TierStats(),
-                **({"cpu": TierStats()} if cpu else {}),
-                **{name: TierStats(errors=1) for name in failed},
-            }
+            {"gpu": TierStats(), **(self.below.tier_stats() if self.below else {})}
         )
         # The pools' counters, held directly: the request path updates them on every call.
         self._gpu_stats = self._stats["gpu"]
         self._host_stats = self._stats["cpu"] if cpu else None
-        self.spill: SpillManager | None = None
-        if tiers:
-            through = [t.name for t in tiers if _policy(config, t.name) == "write_through"]
-            self.spill = SpillManager(
-                tiers,
-                through,
-                self.host,
-                self._lock,
-                config.transfer.io_threads,
-                max_pending_bytes=max(cpu.capacity // 2, 64 << 20),
-            )
-            self.host.on_evict = self.spill.on_host_evict
         if config.metrics.prometheus_port is not None:
             try:
                 self._metrics = serve_metrics(self.stats, config.metrics)
@@ -495,19 +449,18 @@ class TieredCache:
             for o in self._offloads:
                 o.transfer.join()
             self._poll()
-        if self.spill:
-            self.spill.flush()
+        if self.below:
+            self.below.flush()
 
     def close(self) -> None:
         """Stop the metrics server, finish every copy and write, release the tiers."""
         if self._metrics is not None:
             self._metrics.close()
         self.flush()
-        self.transfer.close()
-        if self.spill:
-            self.spill.close()
-        if self.host:
-            self.host.close()
+        if self.below:
+            self.below.close()
+        else:
+            self.transfer.close()
 
     def __enter__(self) -> TieredCache:
         return self
@@ -523,11 +476,10 @@ class TieredCache:
         which then starts the ``held`` spill writes (they now wait for the reads)."""
         runs = hit.spill
         spill_slots: list[int] = []
-        if runs:
-            # Staging slots for the spill part; as many as the host pool can give.
-            n = min(hit.spill_blocks, self.host.num_free)
-            spill_slots = self.host.allocate(n)
-            runs = _truncate(runs, n)
+        if runs:  # staging slots for the spill part: as many as the host pool can give
+            spill_slots, runs = self.below.stage(runs)
+            if self.spill is not None:
+                self.spill.count_unstaged(hit.spill, runs)
         p = _Prefetch(first, blocks, list(hit.host_slots), spill_slots, runs)
         if runs:  # the held writes wait for the tier reads; without reads they start now
             p.held = list(held)
@@ -576,12 +528,8 @@ class TieredCache:
         if loaded:  # blocks read from spill tiers are host-cached now too
             hashes = self.manager.request(req_id).hashes
             lo = p.first + n_host
-            self.host.publish(
-                p.spill_slots[:loaded],
-                hashes[lo : lo + loaded],
-                range(lo, lo + loaded),
-                [hashes[lo - 1] if lo else self.manager.hasher.root, *hashes[lo : lo + loaded - 1]],
-            )
+            parent = hashes[lo - 1] if lo else self.manager.hasher.root
+            self.below.publish_loaded(p.spill_slots[:loaded], hashes[lo : lo + loaded], lo, parent)
         self.host.free((p.host_slots + p.spill_slots)[::-1])
         if valid:
             self.manager.publish(req_id, p.first + valid)
@@ -669,24 +617,3 @@ class TieredCache:
             self.gpu.free(o.gpu_pins)
         if o.transfer.error is None and self.spill:
             self.spill.on_host_publish(o.blocks)
-
-
-def _policy(config: KVTierConfig, tier: str) -> str:
-    """A spill tier's write policy; a tier the config does not name is write-back."""
-    cfg = getattr(config.tiers, tier, None)
-    return cfg.write_policy if cfg is not None else "write_back"
-
-
-def _truncate(runs: tuple[SpillRun, ...], n: int) -> tuple[SpillRun, ...]:
-    """The first ``n`` blocks of ``runs`` (chunks beyond them dropped)."""
-    out = []
-    for run in runs:
-        if n <= 0:
-            break
-        if run.num_blocks <= n:
-            out.append(run)
-        else:
-            chunks = tuple(c for c in run.chunks if c.start < run.first_block + n)
-            out.append(SpillRun(run.tier, run.first_block, n, chunks))
-        n -= run.num_blocks
-    return tuple(out)

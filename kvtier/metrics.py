@@ -122,6 +122,9 @@ class TierStats:
     dropped: int = 0  # blocks that could not be stored (no free space, all pinned)
     errors: int = 0  # failed copies or I/O; each one a miss or a load error, never raised
     rejected: int = 0  # stored values that failed their checks: deleted, never loaded
+    # Blocks a lookup promised from this tier that its load did not deliver (a value
+    # evicted, bad or unreadable since the lookup): the engine recomputed them.
+    short_loads: int = 0
     read_latency: Histogram = field(default_factory=Histogram)
     write_latency: Histogram = field(default_factory=Histogram)
     usage: TierUsage | None = None

@@ -6,8 +6,8 @@ When ``metrics.prometheus_port`` is set, the cache serves ``/metrics`` over HTTP
 step. Names follow Prometheus conventions, one family per ``TierStats`` field:
 
 - counters ``kvtier_<field>_total{tier="gpu|cpu|disk|redis"}`` for hits, misses,
-  blocks_in, bytes_in, blocks_out, bytes_out, evictions, dropped, errors, rejected
-  (hits, misses, blocks and dropped count blocks);
+  blocks_in, bytes_in, blocks_out, bytes_out, evictions, dropped, errors, rejected,
+  short_loads (hits, misses, blocks, dropped and short_loads count blocks);
 - histograms ``kvtier_tier_read_seconds{tier}`` and ``kvtier_tier_write_seconds{tier}``
   (one observation per batch), ``kvtier_lookup_seconds`` and ``kvtier_prefetch_seconds``;
 - gauges ``kvtier_stored_entries{tier}``, ``kvtier_stored_bytes{tier}`` and
@@ -38,6 +38,7 @@ COUNTERS: dict[str, str] = {
     "dropped": "Blocks this tier could not store (no room, or writes not keeping up).",
     "errors": "Failed copies or I/O of this tier (each a miss, never raised).",
     "rejected": "Stored values that failed their checks (deleted, never loaded).",
+    "short_loads": "Blocks a lookup promised from this tier that its load did not deliver.",
 }
 
 

@@ -73,6 +73,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
@@ -113,14 +114,30 @@ class SpillRun:
 
 
 @dataclass
+class Outage:
+    """A tier's health for the log: whether its last call failed, the failed calls since
+    the last "down" line, when that line was logged (None: never), and whether its
+    "back" line is still due."""
+
+    down: bool = False
+    failures: int = 0
+    logged_at: float | None = None
+    back_due: bool = False
+
+
+OUTAGE_LOG_INTERVAL = 60.0  # seconds: at most one "down" line per tier in this time
+
+
+@dataclass
 class LoadResult:
     """What a load did: the leading blocks now in host slots, and what went wrong."""
 
     num_blocks: int = 0
     bad: list[tuple[str, bytes, str]] = field(default_factory=list)  # tier, key, reason
-    errors: list[str] = field(default_factory=list)  # tiers that raised TierError
+    errors: list[tuple[str, BaseException]] = field(default_factory=list)  # tier, what it raised
     blocks_read: dict[str, int] = field(default_factory=dict)
     read_seconds: dict[str, float] = field(default_factory=dict)  # per tier, its get_many
+    short: Counter[str] = field(default_factory=Counter)  # per tier, blocks promised not loaded
 
 
 def _cover(starts: Sequence[int | None], start: int, end: int, c: int) -> list[tuple[int, int]]:
@@ -157,6 +174,107 @@ def _cover(starts: Sequence[int | None], start: int, end: int, c: int) -> list[t
     return runs
 
 
+@dataclass(frozen=True)
+class ValueShape:
+    """What a stored value's size says: ``header_nbytes`` plus ``block_nbytes`` per block."""
+
+    header_nbytes: int
+    block_nbytes: int
+
+    def run_start(self, last: int, size: int, c: int) -> int | None:
+        """The first position of the run stored under position ``last`` as a value of
+        ``size`` bytes (0: none, None returned). A size that is not a whole number of
+        blocks, or more blocks than reach back to the chunk's start, is no value a codec
+        of this shape wrote: it is taken to start at the chunk's start, so that the load
+        reads it, rejects it and deletes it."""
+        if not size:
+            return None
+        aligned = last - last % c
+        n, rest = divmod(size - self.header_nbytes, self.block_nbytes)
+        if rest or not 1 <= n <= last - aligned + 1:
+            return aligned
+        return last - n + 1
+
+
+SizesHook = Callable[[SpillTier, Sequence[bytes], list[int]], None]
+
+
+def find_runs(
+    tiers: Sequence[SpillTier],
+    shards: Sequence[Sequence[bytes]],
+    start: int,
+    shapes: Sequence[ValueShape],
+    adjust: SizesHook | None = None,
+    on_error: Callable[[str, BaseException], None] | None = None,
+) -> tuple[list[list[SpillRun]], dict[str, tuple[int, int]]]:
+    """The runs of stored chunks that extend a chain prefix of ``start`` blocks, tier by
+    tier, as far as every shard's runs reach: a block counts only where all shards can
+    load it. ``shards[s][j]`` is shard ``s``'s key of the block at position ``start + j``;
+    ``shapes[s]`` the size of shard ``s``'s values (pipeline stages hold other layers).
+
+    One batched size query per tier for all shards together (rule 5: one round trip per
+    tier, whatever the number of shards). ``adjust`` may raise the sizes a tier answered
+    (values still in flight); a tier that fails is skipped and reported to ``on_error``.
+    Returns the runs per shard and, per tier asked, (blocks asked, blocks found).
+    """
+    out: list[list[SpillRun]] = [[] for _ in shards]
+    looked: dict[str, tuple[int, int]] = {}
+    first = start
+    end = start + min((len(keys) for keys in shards), default=0)
+    for tier in tiers:
+        if start >= end:
+            break
+        c, n = tier.chunk_blocks, end - start
+        ask = [key for keys in shards for key in keys[start - first : end - first]]
+        try:
+            sizes = tier.sizes_many(ask)
+        except Exception as e:  # any failure of a tier is a miss, never the engine's
+            if on_error is not None:
+                on_error(tier.name, e)
+            continue
+        if adjust is not None:
+            adjust(tier, ask, sizes)
+        covers = []
+        for s, shape in enumerate(shapes):
+            own = sizes[s * n : (s + 1) * n]
+            starts = [shape.run_start(j, size, c) for j, size in enumerate(own, start)]
+            covers.append(_cover(starts, start, end, c))
+        stop = min((found[-1][1] + 1 if found else start) for found in covers)
+        looked[tier.name] = (n, stop - start)
+        if stop == start:
+            continue
+        for keys, found, runs in zip(shards, covers, out):
+            chunks = tuple(
+                ChunkRef(keys[last - first], lo, last - lo + 1) for lo, last in found if lo < stop
+            )
+            runs.append(SpillRun(tier.name, start, stop - start, chunks))
+        start = stop
+    return out, looked
+
+
+def _blocks_by_tier(runs: Sequence[SpillRun]) -> Counter[str]:
+    """The blocks of ``runs``, per tier."""
+    out: Counter[str] = Counter()
+    for run in runs:
+        out[run.tier] += run.num_blocks
+    return out
+
+
+def truncate_runs(runs: Sequence[SpillRun], n: int) -> tuple[SpillRun, ...]:
+    """The first ``n`` blocks of ``runs`` (chunks beyond them dropped)."""
+    out = []
+    for run in runs:
+        if n <= 0:
+            break
+        if run.num_blocks <= n:
+            out.append(run)
+        else:
+            chunks = tuple(c for c in run.chunks if c.start < run.first_block + n)
+            out.append(SpillRun(run.tier, run.first_block, n, chunks))
+        n -= run.num_blocks
+    return tuple(out)
+
+
 class SpillManager:
     """The spill tiers below one host pool, in spill order."""
 
@@ -173,12 +291,14 @@ class SpillManager:
         self.host = host
         self._host_lock = host_lock
         self.codec = ChunkCodec(host.layout)
+        self.shape = ValueShape(self.codec.header_nbytes, self.codec.block_nbytes)
         self._rows = byte_rows(host.slab)
         # Writes get their own workers: a write stuck on a hung tier (up to its timeout)
         # must never delay a prefetch, which runs on the transfer engine's workers.
         self._writers = ThreadPoolExecutor(max(1, write_workers), thread_name_prefix="kvtier-spill")
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix="kvtier-encode")
         self._stats = {t.name: TierStats() for t in self.tiers}
+        self._outages = {t.name: Outage() for t in self.tiers}
         self._through = [t for t in self.tiers if t.name in write_through]
         back = [t for t in self.tiers if t.name not in write_through]
         self._back = back[0] if back else None
@@ -201,45 +321,44 @@ class SpillManager:
         self._writes: set[Future] = set()
         # Values queued for each tier and not yet written, by key (see "In flight").
         self._in_flight: dict[str, dict[bytes, memoryview]] = {t.name: {} for t in self.tiers}
+        # What entered and left ``_in_flight`` since ``take_queued``: key -> size, 0 gone.
+        self._queued_log: dict[str, dict[bytes, int]] = {t.name: {} for t in self.tiers}
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when no write is queued
 
     # ------------------------------------------------------------------ read path
     def lookup(self, hashes: Sequence[bytes], start: int) -> list[SpillRun]:
-        """Runs of stored chunks that extend the prefix ``hashes[:start]``, tier by tier."""
-        runs: list[SpillRun] = []
-        end = len(hashes)
-        for tier in self.tiers:
-            if start >= end:
-                break
-            c = tier.chunk_blocks
-            try:
-                sizes = tier.sizes_many(hashes[start:end])
-            except Exception as e:  # any failure of a tier is a miss, never the engine's
-                self._count_error(tier.name, e)
-                continue
-            with self._lock:
-                queued = self._in_flight[tier.name]
-                if queued:
-                    for j, key in enumerate(hashes[start:end]):
-                        value = queued.get(key)
-                        if value is not None and len(value) > sizes[j]:
-                            sizes[j] = len(value)
-            starts = [self._run_start(j, size, c) for j, size in enumerate(sizes, start)]
-            found = _cover(starts, start, end, c)
-            stats = self._stats[tier.name]
-            with self._lock:
-                stats.misses += end - start
-            if not found:
-                continue
-            stop = found[-1][1] + 1
-            chunks = tuple(ChunkRef(hashes[last], lo, last - lo + 1) for lo, last in found)
-            runs.append(SpillRun(tier.name, start, stop - start, chunks))
-            with self._lock:
-                stats.hits += stop - start
-                stats.misses -= stop - start
-            start = stop
+        """Runs of stored chunks that extend the prefix ``hashes[:start]``, tier by tier;
+        a value still queued for its tier counts as stored (see "In flight")."""
+        (runs,), looked = find_runs(
+            self.tiers, [hashes[start:]], start, [self.shape], self._queued_sizes, self._count_error
+        )
+        with self._lock:
+            for name, (asked, found) in looked.items():
+                self._stats[name].hits += found
+                self._stats[name].misses += asked - found
+        for name in looked:
+            self._count_ok(name)
         return runs
+
+    def take_queued(self) -> dict[str, dict[bytes, int]]:
+        """Per tier, the values that were queued for it (key -> size) or whose write
+        ended (key -> 0) since the last call: what a lookup in another process, which
+        cannot see this one's queue, needs to count them as stored (see "In flight")."""
+        with self._lock:
+            out = {name: log for name, log in self._queued_log.items() if log}
+            self._queued_log = {t.name: {} for t in self.tiers}
+            return out
+
+    def _queued_sizes(self, tier: SpillTier, keys: Sequence[bytes], sizes: list[int]) -> None:
+        """Raise ``sizes`` to those of longer values still queued for ``tier``."""
+        with self._lock:
+            queued = self._in_flight[tier.name]
+            if queued:
+                for j, key in enumerate(keys):
+                    value = queued.get(key)
+                    if value is not None and len(value) > sizes[j]:
+                        sizes[j] = len(value)
 
     def load(self, runs: Sequence[SpillRun], slots: Sequence[int]) -> LoadResult:
         """Read ``runs`` into ``slots`` (one per run block, in order, pinned by the caller).
@@ -309,8 +428,7 @@ class SpillManager:
                     )
                 result.read_seconds[run.tier] = time.perf_counter() - start
             except Exception as e:  # what loaded before the failure is still good
-                result.errors.append(run.tier)
-                log.warning("kvtier: %s tier read failed: %s", run.tier, e)
+                result.errors.append((run.tier, e))
             good = next((i for i, v in enumerate(ok) if not v), len(ok))
             loaded = 0
             if good:
@@ -320,6 +438,9 @@ class SpillManager:
             result.num_blocks += loaded
             if good < len(ok):
                 break
+        short = _blocks_by_tier(runs)  # a run after one that fell short loads nothing
+        short.subtract(result.blocks_read)
+        result.short = +short
         return result
 
     def settle_load(self, result: LoadResult) -> None:
@@ -328,15 +449,28 @@ class SpillManager:
             nbytes = self.host.layout.block_nbytes
             for name, n in result.blocks_read.items():
                 self._stats[name].count_out(n, n * nbytes, result.read_seconds.get(name))
-            for name in result.errors:
-                self._stats[name].errors += 1
             for name, _, _ in result.bad:
                 self._stats[name].rejected += 1
+            for name, n in result.short.items():
+                self._stats[name].short_loads += n
+        for name, error in result.errors:
+            self._count_error(name, error)
+        for name in result.read_seconds.keys() - {name for name, _ in result.errors}:
+            self._count_ok(name)
         by_name = {t.name: t for t in self.tiers}
         for name, key, reason in result.bad:
             log.warning("kvtier: rejected %s value %s (%s); deleting it", name, key.hex(), reason)
             tier = by_name[name]
             self._background(tier, self._writers, partial(tier.delete_many, [key]))
+
+    def count_unstaged(self, promised: Sequence[SpillRun], staged: Sequence[SpillRun]) -> None:
+        """Count the blocks of ``promised`` runs that ``staged`` (cut to the host slots
+        free for a load) leaves out as short loads of their tiers."""
+        short = _blocks_by_tier(promised)
+        short.subtract(_blocks_by_tier(staged))
+        with self._lock:
+            for name, n in (+short).items():
+                self._stats[name].short_loads += n
 
     # ------------------------------------------------------------------ write path
     def on_host_evict(self, victims: CachedBlocks) -> None:
@@ -363,13 +497,19 @@ class SpillManager:
                     chunks[tail] = chunk
             self._encode_later(tier, list(chunks.values()))
 
-    def stats(self) -> dict[str, TierStats]:
-        """A snapshot of each spill tier's counters, and what it holds (asked of the
-        store outside the lock; None when it cannot answer)."""
+    def counters(self) -> dict[str, TierStats]:
+        """A snapshot of each spill tier's counters (asks no store anything)."""
         with self._lock:
             out = {t.name: self._stats[t.name].snapshot() for t in self.tiers}
         for tier in self.tiers:
             out[tier.name].evictions = tier.evictions
+        return out
+
+    def stats(self) -> dict[str, TierStats]:
+        """``counters``, and what each tier holds (asked of the store outside the lock;
+        None when it cannot answer)."""
+        out = self.counters()
+        for tier in self.tiers:
             try:
                 out[tier.name].usage = tier.usage()
             except Exception as e:  # a dead store has no usage to report, nothing more
@@ -451,20 +591,6 @@ class SpillManager:
             run.append(slot)
             h = self.host.cached_blocks([slot]).parents[0]
         return run[::-1]
-
-    def _run_start(self, last: int, size: int, c: int) -> int | None:
-        """The first position of the run stored under position ``last`` as a value of
-        ``size`` bytes (0: none, None returned). A size that is not a whole number of
-        blocks, or more blocks than reach back to the chunk's start, is no value this
-        codec wrote: it is taken to start at the chunk's start, so that the load reads
-        it, rejects it and deletes it."""
-        if not size:
-            return None
-        aligned = last - last % c
-        n, rest = divmod(size - self.codec.header_nbytes, self.codec.block_nbytes)
-        if rest or not 1 <= n <= last - aligned + 1:
-            return aligned
-        return last - n + 1
 
     def _encode_and_put(self, tier: SpillTier, chunks: list[Chunk], encoded: Encoded) -> None:
         """Encode ``chunks`` (while their slots are valid: under the caller's lock) and queue
@@ -581,21 +707,26 @@ class SpillManager:
                 self._stats[tier.name].count_in(
                     sum(n for _, _, n in todo), sum(len(v) for _, v, _ in todo), seconds
                 )
+            self._count_ok(tier.name)
         finally:
             with self._lock:
                 self._pending -= nbytes
                 queued = self._in_flight[tier.name]
+                journal = self._queued_log[tier.name]
                 for key, value, _ in items:
                     if queued.get(key) is value:  # not since replaced by a newer write
                         del queued[key]
+                        journal[key] = 0
 
     def _track(self, tier: SpillTier, items: list[tuple[bytes, memoryview, int]]) -> None:
         """Make queued values visible to lookups and loads until ``_put`` is over."""
         with self._lock:
             queued = self._in_flight[tier.name]
+            journal = self._queued_log[tier.name]
             for key, value, _ in items:
                 if len(value) >= len(queued.get(key, b"")):  # the longer run wins
                     queued[key] = value
+                    journal[key] = len(value)
 
     def _background(self, tier: SpillTier, pool: Executor, job: Callable[[], None]) -> None:
         """Run ``job`` on ``pool``; ``flush`` waits for it, and a failure counts against
@@ -615,6 +746,36 @@ class SpillManager:
                 self._idle.notify_all()
 
     def _count_error(self, name: str, error: BaseException) -> None:
-        log.warning("kvtier: %s tier failed: %s", name, error)
+        """Count a failed call of tier ``name``. A tier going down logs one warning with
+        the cause, unless one was logged less than ``OUTAGE_LOG_INTERVAL`` ago (a tier
+        that flaps); every other failure only counts."""
+        now = time.monotonic()
         with self._lock:
             self._stats[name].errors += 1
+            outage = self._outages[name]
+            outage.failures += 1
+            report = not outage.down and (
+                outage.logged_at is None or now - outage.logged_at >= OUTAGE_LOG_INTERVAL
+            )
+            outage.down = True
+            if report:
+                outage.logged_at, outage.failures, outage.back_due = now, 1, True
+        if report:
+            log.warning("kvtier: %s tier is down: %s", name, error)
+
+    def _count_ok(self, name: str) -> None:
+        """Tier ``name`` answered a call: if it was down, log one warning that it is
+        back, with the failed calls since the last "down" line."""
+        outage = self._outages[name]
+        if not outage.down:  # the common case, no lock
+            return
+        with self._lock:
+            report, outage.down, outage.back_due = outage.back_due, False, False
+            failures, since = outage.failures, outage.logged_at or 0.0
+        if report:
+            log.warning(
+                "kvtier: %s tier is back; %d failed calls since it went down %.1f s ago",
+                name,
+                failures,
+                time.monotonic() - since,
+            )

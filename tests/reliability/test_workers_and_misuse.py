@@ -8,6 +8,7 @@ invariants hold afterwards.
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
@@ -178,6 +179,18 @@ def test_a_crashing_get_many_is_a_miss_and_the_worker_goes_on(faulty) -> None:
     assert_settled(cache)
 
 
+def test_blocks_a_lookup_promised_and_its_load_did_not_deliver_are_short_loads(faulty) -> None:
+    cache, tier = faulty
+    a = prompt(1, 12)
+    store(cache, tier, a)
+    tier.fail["get_many"] = 1
+    served = serve(cache, "a", a)
+    assert served.hit.tokens_per_tier()["disk"] == 48 and served.valid_tokens == 0
+    assert cache.stats()["disk"].short_loads == 12
+    served = serve(cache, "b", a)  # on the GPU now: nothing more is short
+    assert cache.stats()["disk"].short_loads == 12
+
+
 def test_a_crashing_get_many_is_counted_against_its_tier(faulty) -> None:
     cache, tier = faulty
     a = prompt(1, 12)
@@ -200,6 +213,21 @@ def test_a_crashing_sizes_many_in_lookup_is_a_miss(faulty) -> None:
     finally:
         cache.free("a")
     assert_settled(cache)
+
+
+def test_a_tier_that_flaps_logs_one_down_and_one_back_line_not_one_per_outage(
+    faulty, caplog
+) -> None:
+    cache, tier = faulty
+    caplog.set_level(logging.WARNING, logger="kvtier")
+    for s in range(20):  # every other lookup fails: 10 outages in well under a minute
+        tier.fail["sizes_many"] = s % 2
+        serve(cache, f"r{s}", prompt(s, 4))
+    assert tier.raised["sizes_many"] == 10
+    lines = caplog.messages
+    assert len(lines) == 2, lines
+    assert "disk tier is down: injected failure in sizes_many" in lines[0]
+    assert "disk tier is back; 1 failed calls since it went down" in lines[1]
 
 
 def test_a_crashing_put_many_is_counted_and_later_writes_land(faulty) -> None:
