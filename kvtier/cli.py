@@ -23,6 +23,7 @@ from kvtier.plot import PlotUnavailable, plot_replay, pyplot
 from kvtier.progress import progress
 from kvtier.replay import read_trace, replay
 from kvtier.tiers.base import TierError
+from kvtier.workloads import ChatShape
 
 
 class UsageError(Exception):
@@ -57,15 +58,15 @@ def demo(args: argparse.Namespace) -> int:
         raise UsageError(
             f"kvtier demo needs transformers ({e}): pip install 'kvtier[hf]'"
         ) from None
-    shape = hf_demo.ChatShape(args.conversations, args.turns)
+    shape = ChatShape(args.conversations, args.turns)
     if args.engine == "vllm":
         try:
             import vllm  # noqa: F401 - only to say what is missing before any work
         except ImportError:
             raise UsageError("kvtier demo --engine vllm needs vLLM: pip install vllm") from None
-        from kvtier.integrations import vllm_demo
+        from kvtier import demo_vllm
 
-        return vllm_demo.run(args.config, shape, args.json, args.plot)
+        return demo_vllm.run(args.config, shape, args.json, args.plot)
     with _scratch_config(_config(args.config), args) as config:
         return hf_demo.run(config, shape, args.device, args.json, args.plot)
 

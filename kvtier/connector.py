@@ -3,40 +3,43 @@
 In native mode ``TieredCache`` owns the GPU block pool. An engine with its own block
 manager (vLLM) keeps its GPU blocks and its own chained block hashes; kvtier supplies
 everything below: the (pinned) host pool, the spill tiers, chunking and the copy
-engine. ``ConnectorCache`` is that part, engine-agnostic; ``kvtier.integrations.vllm``
-maps vLLM's connector API onto it.
+engine. An engine's scheduler and its workers are usually separate processes (one
+worker per tensor- or pipeline-parallel rank), so connector mode has two halves:
+
+- ``ConnectorIndex`` (the scheduler's process) answers "how many blocks past the
+  engine's own hit can be loaded?" without any worker's memory: from an index of what
+  every worker's host pool holds, kept from the workers' reports (``apply``), and from
+  the spill tiers themselves (LMDB and Redis are shared between processes).
+- ``ConnectorCache`` (each worker's process) owns the host pool, the copies and the
+  spill writes of its *shard* (its rank's KV heads and layers), and carries out the
+  loads and saves the scheduler hands it each step. It reports which keys its host
+  pool gained and lost, and the spill writes it has queued (``take_report``), for
+  the index.
 
 Keys. The engine hashes its blocks; kvtier never re-hashes tokens here, so whatever
-the engine mixes into its hashes (cache salt, LoRA, multimodal inputs) carries
-through. A block's key is ``H(root || engine hash)`` truncated to 16 bytes, where the
-namespace root names the model and the layout of the engine's KV tensors: an engine
-hash names its whole prefix, so the key does too, and different models or layouts
-never share a key. Chain parents are the previous block's key (the root for block 0).
+the engine mixes into its hashes (cache salt, LoRA, multimodal inputs) carries through.
+The scheduler turns each engine hash into a *base key* ``H(root || engine hash)``,
+where the root names the model, the config's salt and how often the cache was reset.
+Each shard stores a block under its own key ``H(shard root || base key)``: the shard
+root names the worker's KV tensor layout (``EngineKV.describe``) and its rank in the
+tensor- and pipeline-parallel world, so ranks, TP sizes and layouts never share a
+value, and bytes are only ever read back into the layout that wrote them. Workers
+tell the scheduler their shard once at start-up (``ShardSpec``).
 
-Engine KV. ``EngineKV`` wraps the engine's per-layer KV tensors, each indexed by block
-id on dim 0 (any strides). A host slot holds one block of every layer, each layer's
-block in the engine's own element order; the namespace root includes that order
-(``EngineKV.describe``), so bytes are only ever read back into the same layout.
+Promises. A hit counts only blocks that every shard can load. The index can be stale
+(a block evicted after the last report): a worker then reports the blocks it could not
+load, and the engine recomputes them. Never wrong KV, never an exception: a load that
+does not happen is a load error, a save that does not happen a later miss.
 
-Protocol (one request)::
+Ordering (worker). A load is never reported done while any part of it is
+outstanding. A save copies out of the engine's blocks before the engine may reuse
+them: on CPU the copy runs inline; on CUDA it runs on the offload stream and the
+engine's current stream waits on its event (no host sync), so any later kernel that
+overwrites those blocks runs after the copy. Host slots are published only once
+their copy has completed, and pinned while a copy reads them.
 
-    keys = cache.keys(engine_hashes)
-    hit = cache.lookup(keys, start)                # blocks past the engine's own hit
-    n = cache.pin(req_id, keys, hit, engine_blocks)  # pinned: nothing evicts them now
-    cache.load(req_id)                             # host hits copy at once; spill reads
-    ... cache.finished_loads() -> [(req_id, failed engine blocks)] ...   # run on a worker
-    cache.save(req_id, engine_blocks, keys, first)  # after the engine wrote their KV
-
-Ordering. A load is never reported done while any part of it is outstanding; blocks
-that did not load (a bad value, a tier error, a copy failure) are reported as failed
-so the engine recomputes them. A save copies out of the engine's blocks before the
-engine may reuse them: on CPU the copy runs inline; on CUDA it runs on the offload
-stream and the engine's current stream waits on its event (no host sync), so any
-later kernel that overwrites those blocks runs after the copy. Host slots are
-published only once their copy has completed, and pinned while a copy reads them.
-
-Threads. Every public method takes ``self._lock``; spill-tier I/O (existence checks in
-``lookup``, reads in a load) runs outside it, on the transfer engine's workers.
+Threads. Every public method of ``ConnectorCache`` takes ``self._lock``; spill reads
+run on the transfer engine's workers, spill writes on the spill manager's.
 """
 
 from __future__ import annotations
@@ -51,14 +54,21 @@ import numpy as np
 import torch
 
 from kvtier.block_pool import CachedBlocks
-from kvtier.cache import _truncate, open_spill_tiers
-from kvtier.config import ConfigError, KVTierConfig
+from kvtier.config import KVTierConfig
 from kvtier.hashing import HASH_NBYTES, get_digest, namespace_root
-from kvtier.host_pool import HostPool
+from kvtier.host_tiers import HostTiers
 from kvtier.layout import KVLayout
-from kvtier.metrics import CacheStats, TierStats
-from kvtier.spill import LoadResult, SpillManager, SpillRun
-from kvtier.transfer import Transfer, TransferEngine, copy_blocks
+from kvtier.metrics import CacheStats
+from kvtier.spill import (
+    LoadResult,
+    SpillRun,
+    ValueShape,
+    find_runs,
+    truncate_runs,
+)
+from kvtier.tiers import open_spill_tiers
+from kvtier.tiers.base import SpillTier
+from kvtier.transfer import Transfer, copy_blocks
 
 log = logging.getLogger(__name__)
 
@@ -119,30 +129,184 @@ def engine_layout(kv: EngineKV, block_size: int, num_kv_heads: int, head_dim: in
     return KVLayout(len(kv.layers), kv_factor, block_size, num_kv_heads, head_dim, kv.dtype)
 
 
+# Spill tiers a ConnectorCache of this process has open, by namespace.
+_open_in_process: dict[str, list[SpillTier]] = {}
+
+
+def spill_namespace(config: KVTierConfig, name: str) -> str:
+    """The namespace of an engine's values in shared spill tiers (Redis key prefix):
+    the same in the scheduler and every worker of engines serving model ``name``."""
+    h = config.hashing
+    return namespace_root(f"connector:{name}", b"", h.salt, h.algorithm).hex()[:16]
+
+
+def shard_keys(root: bytes, base_keys: Sequence[bytes], algorithm: str) -> list[bytes]:
+    """Each base key as the shard whose root is ``root`` stores it (module docstring)."""
+    digest = get_digest(algorithm)
+    return [digest(root + k)[:HASH_NBYTES] for k in base_keys]
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """What a worker tells the scheduler at start-up: its shard's name (rank), the root
+    of its keys, and the size of its stored values (to read a run's length off a size)."""
+
+    name: str
+    root: bytes
+    shape: ValueShape
+
+
+@dataclass
+class ShardReport:
+    """What one shard's worker tells the index after a step: keys its host pool gained
+    (True) or lost (False), and per spill tier the values it queued (key -> size) or
+    whose write ended (key -> 0), which the tiers do not show until they land."""
+
+    held: dict[bytes, bool] = field(default_factory=dict)
+    queued: dict[str, dict[bytes, int]] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.held or self.queued)
+
+
 @dataclass(frozen=True)
 class ConnectorHit:
-    """Blocks ``[start, start + num_blocks)`` of a chain held below the engine: host
-    slots first, then spill runs. Valid for the ``pin`` that follows the lookup."""
+    """Blocks ``[start, start + num_blocks)`` of a chain below the engine: the first
+    ``host_blocks`` in every shard's host pool (as last reported), then spill runs,
+    ``spill[shard]`` being that shard's runs (all of the same length)."""
 
     start: int
-    host_slots: tuple[int, ...] = ()
-    spill: tuple[SpillRun, ...] = ()
+    host_blocks: int = 0
+    spill: dict[str, tuple[SpillRun, ...]] = field(default_factory=dict)
+
+    @property
+    def spill_blocks(self) -> int:
+        runs = next(iter(self.spill.values()), ())
+        return sum(run.num_blocks for run in runs)
 
     @property
     def num_blocks(self) -> int:
-        return len(self.host_slots) + sum(run.num_blocks for run in self.spill)
+        return self.host_blocks + self.spill_blocks
 
     def blocks_per_tier(self) -> dict[str, int]:
         """Hit blocks by tier name (``cpu``, then each spill tier that holds some)."""
-        out = {"cpu": len(self.host_slots)} if self.host_slots else {}
-        for run in self.spill:
+        out = {"cpu": self.host_blocks} if self.host_blocks else {}
+        for run in next(iter(self.spill.values()), ()):
             out[run.tier] = out.get(run.tier, 0) + run.num_blocks
         return out
 
     def truncated(self, n: int) -> ConnectorHit:
         """The first ``n`` blocks of this hit."""
-        host = self.host_slots[:n]
-        return ConnectorHit(self.start, host, _truncate(self.spill, n - len(host)))
+        host = min(n, self.host_blocks)
+        spill = {shard: truncate_runs(runs, n - host) for shard, runs in self.spill.items()}
+        return ConnectorHit(self.start, host, spill if n > host else {})
+
+
+class ConnectorIndex:
+    """The scheduler's half (module docstring): base keys, and lookups against the
+    workers' host pools (as reported) and the spill tiers. Not thread-safe: the engine's
+    scheduler calls it from one thread."""
+
+    def __init__(self, config: KVTierConfig, name: str) -> None:
+        self._hashing = config.hashing
+        self._name = name
+        self._resets = 0
+        self.root = self._base_root()
+        self.shards: list[ShardSpec] = []
+        self._held: dict[str, set[bytes]] = {}  # shard name -> keys its host pool holds
+        self._queued: dict[str, dict[bytes, int]] = {}  # tier -> values queued for it: size
+        namespace = spill_namespace(config, name)
+        # A worker in this process has the tiers open already (vLLM registers the KV
+        # caches before it builds the scheduler), and LMDB allows one opening per
+        # process: read through the worker's.
+        self._owns_tiers = namespace not in _open_in_process
+        failed: list[str] = []
+        if self._owns_tiers:
+            self.tiers, failed = open_spill_tiers(config, namespace)
+        else:
+            self.tiers = _open_in_process[namespace]
+        self.tier_errors = dict.fromkeys(failed, 1)
+
+    def set_shards(self, shards: Sequence[ShardSpec]) -> None:
+        """The engine's shards, as its workers reported them; lookups miss until then."""
+        self.shards = list(shards)
+        self._held = {s.name: self._held.get(s.name, set()) for s in self.shards}
+
+    def keys(self, engine_hashes: Sequence[bytes]) -> list[bytes]:
+        """The base key of each engine block hash."""
+        digest, root = get_digest(self._hashing.algorithm), self.root
+        return [digest(root + bytes(h))[:HASH_NBYTES] for h in engine_hashes]
+
+    def lookup(self, keys: Sequence[bytes], start: int) -> ConnectorHit:
+        """The longest run of ``keys[start:]`` (base keys) that every shard can load:
+        first what all their host pools hold, then what the spill tiers hold for all of
+        them (one size query per tier for all shards). Pins nothing."""
+        if not self.shards or start >= len(keys):
+            return ConnectorHit(start)
+        per_shard = [shard_keys(s.root, keys[start:], self._hashing.algorithm) for s in self.shards]
+        host = 0
+        while host < len(keys) - start and all(
+            ks[host] in self._held[s.name] for s, ks in zip(self.shards, per_shard)
+        ):
+            host += 1
+        if not self.tiers or start + host == len(keys):
+            return ConnectorHit(start, host)
+        below = [ks[host:] for ks in per_shard]
+        shapes = [s.shape for s in self.shards]
+        spill, _ = find_runs(
+            self.tiers, below, start + host, shapes, self._queued_sizes, self._error
+        )
+        if not spill[0]:
+            return ConnectorHit(start, host)
+        return ConnectorHit(start, host, {s.name: tuple(r) for s, r in zip(self.shards, spill)})
+
+    def apply(self, reports: dict[str, ShardReport]) -> None:
+        """Take the workers' reports of a step (by shard)."""
+        for name, report in reports.items():
+            keys = self._held.setdefault(name, set())
+            for key, present in report.held.items():
+                if present:
+                    keys.add(key)
+                else:
+                    keys.discard(key)
+            for tier, sizes in report.queued.items():
+                queued = self._queued.setdefault(tier, {})
+                for key, size in sizes.items():
+                    if size:
+                        queued[key] = size
+                    else:
+                        queued.pop(key, None)
+
+    def reset(self) -> None:
+        """Move to a new key space (the engine's weights changed): nothing stored before
+        is found again, and the index starts empty."""
+        self._resets += 1
+        self.root = self._base_root()
+        for keys in self._held.values():
+            keys.clear()
+        self._queued.clear()
+
+    def close(self) -> None:
+        if self._owns_tiers:
+            for tier in self.tiers:
+                tier.close()
+
+    def _base_root(self) -> bytes:
+        h = self._hashing
+        name = f"{self._name}#reset{self._resets}" if self._resets else self._name
+        return namespace_root(name, b"", h.salt, h.algorithm)
+
+    def _queued_sizes(self, tier: SpillTier, keys: Sequence[bytes], sizes: list[int]) -> None:
+        """Count values a worker has queued for ``tier`` as stored (they are read from
+        the worker's queue until they land)."""
+        queued = self._queued.get(tier.name)
+        if queued:
+            for j, key in enumerate(keys):
+                sizes[j] = max(sizes[j], queued.get(key, 0))
+
+    def _error(self, tier: str, error: BaseException) -> None:
+        log.debug("kvtier: %s tier lookup failed: %s", tier, error)
+        self.tier_errors[tier] = self.tier_errors.get(tier, 0) + 1
 
 
 @dataclass
@@ -178,118 +342,115 @@ class _Load:
 class _Save:
     """Engine blocks being copied into host slots; published when the copy is done."""
 
-    req_id: str
     transfer: Transfer
     slots: CachedBlocks
 
 
 class ConnectorCache:
-    """Host pool and spill tiers below an engine's own KV blocks (see module docstring).
+    """A worker's half (module docstring): the host pool and spill tiers of one shard
+    below the engine's KV blocks.
 
-    ``root_name`` names what the engine's keys mean (model, KV tensor layout); it goes
-    into the namespace root with the layout fingerprint and the config's salt.
+    ``name`` names what the engine serves (its model): engines of the same name share
+    values in the spill tiers. ``shard`` names this worker's rank; with the KV tensor
+    layout it makes the root of this shard's keys.
     """
 
-    def __init__(self, config: KVTierConfig, kv: EngineKV, layout: KVLayout, root_name: str):
-        cpu = config.tiers.cpu
-        if cpu is None:
-            raise ConfigError("tiers.cpu", None, "a cpu section: connector mode stages in it")
+    def __init__(
+        self, config: KVTierConfig, kv: EngineKV, layout: KVLayout, name: str, shard: str
+    ) -> None:
         if layout.block_numel != len(kv.layers) * kv.block_numel or layout.dtype != kv.dtype:
             raise ValueError(f"layout {layout.describe()} does not match the engine's KV")
-        self._hashing = config.hashing
-        self._digest = get_digest(config.hashing.algorithm)
+        h = config.hashing
+        self._algorithm = h.algorithm
         self.kv = kv
         self.layout = layout
-        self._root_name = root_name
-        self._resets = 0
-        self.root = self._namespace_root()
-        self.block_size = layout.block_size
-        self.host = HostPool.with_capacity(cpu.capacity, layout, cpu.pin_memory)
-        self._host_view = kv.host_view(self.host.slab)
-        self.transfer = TransferEngine(kv.device, config.transfer.io_threads)
+        self.shard = shard
+        self.root = namespace_root(
+            f"{name}|{kv.describe()}|{shard}", layout.fingerprint, h.salt, h.algorithm
+        )
         self._cuda = kv.device.type == "cuda"
         self._lock = threading.RLock()
-        tiers, failed = open_spill_tiers(config, self.root.hex()[:16])
-        self.spill: SpillManager | None = None
-        if tiers:
-            through = [
-                t.name
-                for t in tiers
-                if getattr(config.tiers, t.name).write_policy == "write_through"
-            ]
-            self.spill = SpillManager(
-                tiers,
-                through,
-                self.host,
-                self._lock,
-                config.transfer.io_threads,
-                max_pending_bytes=max(cpu.capacity // 2, 64 << 20),
-            )
-            self.host.on_evict = self.spill.on_host_evict
-        self._stats = CacheStats(
-            {"cpu": TierStats(), **{name: TierStats(errors=1) for name in failed}}
+        self._namespace = spill_namespace(config, name)
+        self.below = HostTiers(config, layout, kv.device, self._lock, self._namespace)
+        self.host, self.spill, self.transfer = (
+            self.below.host,
+            self.below.spill,
+            self.below.transfer,
         )
+        _open_in_process[self._namespace] = self.spill.tiers if self.spill else []
+        self.host.on_evict = self._on_host_evict
+        self._host_view = kv.host_view(self.host.slab)
+        self._stats = CacheStats(self.below.tier_stats())
         self._loads: dict[str, _Load] = {}
         self._saves: list[_Save] = []
+        self._changes: dict[bytes, bool] = {}  # keys the host pool gained or lost
 
-    # ------------------------------------------------------------------ keys
-    def keys(self, engine_hashes: Sequence[bytes]) -> list[bytes]:
-        """The 16-byte kvtier key of each engine block hash (see module docstring)."""
-        digest, root = self._digest, self.root
-        return [digest(root + bytes(h))[:HASH_NBYTES] for h in engine_hashes]
+    @property
+    def spec(self) -> ShardSpec:
+        """This shard, as the scheduler's index needs it."""
+        shape = self.spill.shape if self.spill else ValueShape(0, self.layout.block_nbytes)
+        return ShardSpec(self.shard, self.root, shape)
 
-    # ------------------------------------------------------------------ loads
-    def lookup(self, keys: Sequence[bytes], start: int) -> ConnectorHit:
-        """The longest run of ``keys[start:]`` held in the host pool, then the spill tiers,
-        as much of it as the host pool can stage now (a hit that could not be pinned
-        would only come back as a load error).
+    def keys(self, base_keys: Sequence[bytes]) -> list[bytes]:
+        """This shard's key of each base key."""
+        return shard_keys(self.root, base_keys, self._algorithm)
 
-        Pins nothing. Costs one batched existence check per spill tier, outside the lock.
-        """
+    def take_report(self) -> ShardReport:
+        """What the index needs to know of this shard since the last call."""
         with self._lock:
             self._poll_saves()
-            slots = self.host.lookup(keys[start:])
-            stats = self._stats["cpu"]
-            stats.hits += len(slots)
-            stats.misses += len(keys) - start - len(slots)
-            room = self.host.num_free - self.host.num_queued(slots)
-        below = start + len(slots)
-        if not self.spill or below == len(keys) or not room:
-            return ConnectorHit(start, tuple(slots))
-        runs = _truncate(tuple(self.spill.lookup(keys, below)), room)
-        return ConnectorHit(start, tuple(slots), runs)
+            held, self._changes = self._changes, {}
+        return ShardReport(held, self.spill.take_queued() if self.spill else {})
 
-    def pin(self, req_id: str, keys: Sequence[bytes], hit: ConnectorHit, blocks: list[int]) -> int:
-        """Pin ``hit`` for loading into engine ``blocks`` (one per hit block); returns how
-        many leading blocks it pinned. Those that could not be pinned (host slots reused
-        since the lookup, no staging slots free) are reported failed by the load."""
-        if len(blocks) != hit.num_blocks:
-            raise ValueError(f"{len(blocks)} engine blocks for a hit of {hit.num_blocks}")
+    # ------------------------------------------------------------------ loads
+    def pin(
+        self,
+        req_id: str,
+        keys: Sequence[bytes],
+        parent: bytes,
+        hit: ConnectorHit,
+        blocks: list[int],
+    ) -> int:
+        """Pin ``hit`` for loading into engine ``blocks`` (one per hit block); ``keys``
+        are this shard's keys of the hit's blocks, ``parent`` that of the block before
+        (the root for block 0). Returns how many leading blocks it pinned; the rest (host
+        slots evicted since the index saw them, no staging slots free) the load reports
+        failed."""
+        if len(blocks) != hit.num_blocks or len(keys) != hit.num_blocks:
+            raise ValueError(
+                f"{len(blocks)} engine blocks and {len(keys)} keys for a hit of "
+                f"{hit.num_blocks} blocks"
+            )
         with self._lock:
             if req_id in self._loads:
                 raise ValueError(f"request {req_id!r} already has a load pinned")
-            start, end = hit.start, hit.start + hit.num_blocks
-            host_slots = list(hit.host_slots)
-            if host_slots and not self.host.holds(
-                host_slots, keys[start : start + len(host_slots)]
-            ):
-                host_slots, hit = [], ConnectorHit(start)
+            host_slots = self.host.lookup(keys[: hit.host_blocks])
             self.host.touch(host_slots)
-            spill_blocks = hit.num_blocks - len(host_slots)
-            staging = self.host.allocate(min(spill_blocks, self.host.num_free))
-            hit = hit.truncated(len(host_slots) + len(staging))
-            n = hit.num_blocks
+            runs = hit.spill.get(self.shard, ())
+            if len(host_slots) < hit.host_blocks:
+                runs = ()  # a gap: what comes after it cannot be used
+            staging, runs = self.below.stage(runs)
+            n = len(host_slots) + len(staging)
             self._loads[req_id] = _Load(
-                keys=list(keys[start : start + n]),
-                parent=keys[start - 1] if start else self.root,
-                start=start,
+                keys=list(keys[:n]),
+                parent=parent,
+                start=hit.start,
                 blocks=blocks[:n],
                 host_slots=host_slots,
                 spill_slots=staging,
-                runs=hit.spill,
-                unpinned=blocks[n : end - start],
+                runs=runs,
+                unpinned=blocks[n:],
             )
             return n
+
+    def abandon(self, req_id: str) -> None:
+        """Forget the pinned load of ``req_id`` if it has not started (its slots are
+        unpinned); a started one runs to its end and ``finished_loads`` reports it."""
+        with self._lock:
+            p = self._loads.get(req_id)
+            if p is not None and not p.started:
+                del self._loads[req_id]
+                self.host.free(p.slots[::-1])
 
     def load(self, req_id: str) -> None:
         """Start the pinned load of ``req_id``. A host-only load is copied here (queued
@@ -325,18 +486,12 @@ class ConnectorCache:
                 out.append((req_id, p.failed_blocks()))
             return out
 
-    def has_load(self, req_id: str) -> bool:
-        with self._lock:
-            return req_id in self._loads
-
     # ------------------------------------------------------------------ saves
-    def save(
-        self, req_id: str, blocks: list[int], keys: Sequence[bytes], parent: bytes, start: int
-    ) -> None:
-        """Copy engine ``blocks`` (chain positions ``start..``, keys ``keys``, the first
-        one's parent ``parent``) into host slots, unless already there (then they are
-        only refreshed in the LRU order). Call after the engine has queued the writes
-        of their KV; the engine may reuse the blocks as soon as this returns.
+    def save(self, blocks: list[int], keys: Sequence[bytes], parent: bytes, start: int) -> None:
+        """Copy engine ``blocks`` (chain positions ``start..``, this shard's keys ``keys``,
+        the first one's parent ``parent``) into host slots, unless already there (then
+        they are only refreshed in the LRU order). Call after the engine has queued the
+        writes of their KV; the engine may reuse the blocks as soon as this returns.
 
         A batch larger than the free slots goes in pieces: each piece is published
         (once its copy is done) before the next one evicts, so on CPU a chain longer
@@ -355,7 +510,6 @@ class ConnectorCache:
             while todo and host.num_free:
                 piece, todo = todo[: host.num_free], todo[host.num_free :]
                 self._save_piece(
-                    req_id,
                     [blocks[i] for i in piece],
                     CachedBlocks(
                         [],  # slots: filled in by _save_piece
@@ -367,29 +521,26 @@ class ConnectorCache:
             self._stats["cpu"].dropped += len(todo)
 
     def reset(self) -> None:
-        """Forget every block stored so far, as new model weights need: keys move to a
-        new namespace (``root``; call ``keys`` again), so nothing stored before, in the
-        host pool or in the spill tiers, is ever found again through this cache. The
-        spill tiers are shared with other engines and keep their values (to age out);
-        the host pool drops its blocks now unless a load, a copy or a write-through
-        encode holds some (then they age out too)."""
+        """Drop what the host pool holds (the engine's weights changed; its keys moved to
+        a new key space anyway), unless a load, a copy or a write-through encode holds
+        some: then they age out. The spill tiers are shared and keep their values."""
         with self._lock:
-            self._resets += 1
-            self.root = self._namespace_root()
             self.host.reset()
 
-    def saving(self, req_id: str) -> bool:
-        """True while a save of ``req_id``'s blocks is still copying."""
-        with self._lock:
-            self._poll_saves()
-            return any(s.req_id == req_id for s in self._saves)
-
     # ------------------------------------------------------------------ misc
-    def stats(self) -> CacheStats:
-        """A snapshot of the host pool's and each spill tier's counters."""
+    def counters(self) -> CacheStats:
+        """A snapshot of the host pool's and each spill tier's counters (cheap: asks no
+        store anything)."""
         with self._lock:
             self._poll_saves()
             snapshot = self._stats.snapshot()
+        if self.spill:
+            snapshot.tiers.update(self.spill.counters())
+        return snapshot
+
+    def stats(self) -> CacheStats:
+        """``counters``, with what each spill tier holds (asked of the store)."""
+        snapshot = self.counters()
         if self.spill:
             snapshot.tiers.update(self.spill.stats())
         return snapshot
@@ -400,8 +551,7 @@ class ConnectorCache:
             for s in self._saves:
                 s.transfer.join()
             self._poll_saves()
-        if self.spill:
-            self.spill.flush()
+        self.below.flush()
 
     def wait_loads(self) -> None:
         """Wait until the spill reads (and their copies up) of every started load are
@@ -417,19 +567,10 @@ class ConnectorCache:
         self.wait_loads()
         self.finished_loads()
         self.flush()
-        self.transfer.close()
-        if self.spill:
-            self.spill.close()
-        self.host.close()
+        _open_in_process.pop(self._namespace, None)
+        self.below.close()
 
     # ------------------------------------------------------------------ internals
-    def _namespace_root(self) -> bytes:
-        """The root of every key: ``root_name`` (with the reset count after a reset),
-        the layout's fingerprint and the config's salt."""
-        name = f"{self._root_name}#reset{self._resets}" if self._resets else self._root_name
-        h = self._hashing
-        return namespace_root(name, self.layout.fingerprint, h.salt, h.algorithm)
-
     def _copy(
         self, fn, stream: torch.cuda.Stream | None, n: int, after: torch.cuda.Event | None = None
     ) -> Transfer:
@@ -503,16 +644,16 @@ class ConnectorCache:
         loaded = max(0, min(p.valid, n_host + (p.result.num_blocks if p.result else 0)) - n_host)
         if loaded:  # blocks read from the spill tiers are host-cached now too
             keys = p.keys[n_host : n_host + loaded]
-            parents = [p.keys[n_host - 1] if n_host else p.parent, *keys[:-1]]
-            first = p.start + n_host
-            self.host.publish(p.spill_slots[:loaded], keys, range(first, first + loaded), parents)
+            parent = p.keys[n_host - 1] if n_host else p.parent
+            self.below.publish_loaded(p.spill_slots[:loaded], keys, p.start + n_host, parent)
+            self._changes.update(dict.fromkeys(keys, True))
         self.host.free(p.slots[::-1])
         from_host = min(p.valid, n_host)
         if from_host:
             stats.count_out(from_host, from_host * self.layout.block_nbytes)
         self._stats.prefetch_latency.observe(time.perf_counter() - p.started)
 
-    def _save_piece(self, req_id: str, src: list[int], chain: CachedBlocks) -> None:
+    def _save_piece(self, src: list[int], chain: CachedBlocks) -> None:
         """Copy engine blocks ``src`` into newly allocated slots that will hold ``chain``."""
         n = len(src)
         evictions = self.host.stats().evictions
@@ -524,7 +665,7 @@ class ConnectorCache:
             n,
         )
         transfer.order_current_stream()  # the engine reuses the blocks after the copy
-        save = _Save(req_id, transfer, replace(chain, block_ids=slots))
+        save = _Save(transfer, replace(chain, block_ids=slots))
         if transfer.done():
             self._finish_save(save)
         else:
@@ -546,6 +687,7 @@ class ConnectorCache:
         if s.transfer.error is None:
             b = s.slots
             self.host.publish(slots, b.hashes, b.positions, b.parents)
+            self._changes.update(dict.fromkeys(b.hashes, True))
             stats.count_in(len(slots), s.transfer.nbytes, s.transfer.seconds)
         else:
             log.warning("kvtier: save to the host pool failed: %s", s.transfer.error)
@@ -553,3 +695,10 @@ class ConnectorCache:
         self.host.free(slots[::-1])  # the chain's head is freed last: evicted last
         if s.transfer.error is None and self.spill:
             self.spill.on_host_publish(s.slots)
+
+    def _on_host_evict(self, victims: CachedBlocks) -> None:
+        """Host eviction hook: the index learns the victims are gone; the spill tiers
+        take their chunks before the slots are reused."""
+        self._changes.update(dict.fromkeys(victims.hashes, False))
+        if self.spill:
+            self.spill.on_host_evict(victims)

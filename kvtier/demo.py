@@ -15,9 +15,7 @@ for both and fails if any reply differs.
 from __future__ import annotations
 
 import json
-import random
 import statistics
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -27,6 +25,7 @@ from kvtier.config import KVTierConfig
 from kvtier.integrations.hf import CachedLM, recompute, weights_id
 from kvtier.plot import plot_demo
 from kvtier.progress import progress
+from kvtier.workloads import Chat, ChatShape
 
 # Big enough that a prefill of a few thousand tokens takes a measurable second on a
 # 2-core CPU; its KV layout is the one configs/default.yaml describes.
@@ -39,17 +38,6 @@ DEMO_MODEL = LlamaConfig(
     num_key_value_heads=4,
     max_position_embeddings=16384,
 )
-
-
-@dataclass(frozen=True)
-class ChatShape:
-    """The workload: conversations x turns, and the size of each message in tokens."""
-
-    conversations: int = 4
-    turns: int = 6
-    system_tokens: int = 512
-    user_tokens: int = 320
-    reply_tokens: int = 32
 
 
 @dataclass
@@ -96,34 +84,6 @@ def build_model(seed: int = 0, device: torch.device | str = "cpu") -> LlamaForCa
     """The demo's Llama with seeded random weights, in float32, in eval mode."""
     torch.manual_seed(seed)
     return LlamaForCausalLM(DEMO_MODEL).to(device).eval()
-
-
-class Chat:
-    """The demo's workload as token ids: ``requests()`` yields ``(conversation, turn,
-    prompt)`` turn by turn with the conversations interleaved; ``reply`` adds the
-    answer to a prompt to its conversation before the next prompt is made. Ids start
-    at 3 (0-2 are unk, bos and eos in ``kvtier.integrations.vllm_engine``'s tokenizer)."""
-
-    def __init__(self, shape: ChatShape, vocab_size: int, seed: int = 0) -> None:
-        self.shape = shape
-        self._rng = random.Random(seed)
-        self._vocab = vocab_size
-        system = self._text(shape.system_tokens)
-        self._history = [list(system) for _ in range(shape.conversations)]
-
-    def __len__(self) -> int:
-        return self.shape.conversations * self.shape.turns
-
-    def requests(self) -> Iterator[tuple[int, int, list[int]]]:
-        for turn in range(self.shape.turns):
-            for conv in range(self.shape.conversations):
-                yield conv, turn, self._history[conv] + self._text(self.shape.user_tokens)
-
-    def reply(self, conversation: int, prompt: list[int], tokens: list[int]) -> None:
-        self._history[conversation] = prompt + tokens
-
-    def _text(self, n: int) -> list[int]:
-        return [self._rng.randrange(3, self._vocab) for _ in range(n)]
 
 
 def serve_chat(lm: CachedLM, shape: ChatShape, seed: int = 0) -> DemoResult:

@@ -1,33 +1,44 @@
 """kvtier as vLLM's KV cache backend: ``KVTierConnector``, a vLLM (0.32) KV connector.
 
 vLLM keeps its GPU blocks and its prefix cache; kvtier adds the host pool and the
-spill tiers below them (``kvtier.connector.ConnectorCache``), keyed by vLLM's own
-chained block hashes. Load it with::
+spill tiers below them (``kvtier.connector``), keyed by vLLM's own chained block
+hashes. Load it with::
 
     --kv-transfer-config '{"kv_connector": "KVTierConnector",
         "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"config": "configs/vllm.yaml"}}'
 
-Scheduler side. ``get_num_new_matched_tokens`` looks up the blocks past vLLM's own
-hit (never the prompt's last token: vLLM needs its logits); a hit that needs spill
-reads loads asynchronously, a host-only hit is copied before the step's forward.
-``update_state_after_alloc`` pins the hit for the blocks vLLM allocated, and
-``build_connector_meta`` hands the worker this step's loads and the blocks that
-become full this step (to save once the forward has written them).
+Processes. vLLM builds one connector per role: the scheduler's, in the engine core
+process, and one per worker (tensor- and pipeline-parallel rank), in the worker's
+process or the same one. They share no memory; they talk only through vLLM's channels:
 
-Worker side. ``register_kv_caches`` adopts vLLM's per-layer KV tensors (standardized
-views with blocks on dim 0, any strides; on CPU ``[blocks, kv_heads, block_size,
-2 * head_size]``). ``start_load_kv`` starts the loads, ``wait_for_save`` copies the
-step's new full blocks into the host pool (on CUDA on the offload stream, with
-vLLM's stream waiting on its event, so no block can be reused before it is copied);
-``get_finished`` reports finished async loads and ``get_block_ids_with_load_errors``
-every block that did not load, so vLLM recomputes it.
+- start-up: each worker reports its shard (``get_handshake_metadata``: the root of its
+  keys, its value size); the scheduler collects them all
+  (``set_xfer_handshake_metadata_pp_aware``) before the first request.
+- each step, scheduler -> workers: ``build_connector_meta`` hands every worker this
+  step's loads (the hit, the vLLM blocks it goes into) and saves (the blocks that
+  become full this step, to copy once the forward has written them), as base keys.
+- each step, workers -> scheduler: ``build_connector_worker_meta`` reports the keys each
+  worker's host pool gained and lost, and the spill writes it queued;
+  ``update_connector_output`` applies them to the scheduler's index. Finished async
+  loads and failed blocks travel in vLLM's own
+  fields (``get_finished``, ``get_block_ids_with_load_errors``), aggregated over ranks.
 
-One process. The scheduler side reads the host pool the worker side fills, so both
-must run in one process: tensor and pipeline parallel size 1 (the engine core runs
-the worker in its process then, with or without ``VLLM_ENABLE_V1_MULTIPROCESSING``).
-A larger world size is refused at start-up with an error saying so.
+Scheduler side. ``get_num_new_matched_tokens`` looks up the blocks past vLLM's own hit
+(never the prompt's last token: vLLM needs its logits) in the index and the spill
+tiers; a hit that needs spill reads loads asynchronously, a host-only hit is copied
+before the step's forward. Worker side. ``register_kv_caches`` adopts vLLM's per-layer
+KV tensors (blocks on dim 0, any strides), ``start_load_kv`` starts the loads,
+``wait_for_save`` copies the step's new full blocks into the host pool (on CUDA on the
+offload stream, with vLLM's stream waiting on its event, so no block can be reused
+before it is copied: vLLM may free a finished request's blocks at once).
+
+Never fatal. Every hook catches what kvtier raises: it is logged (once per hook, then
+counted in ``faults``) and becomes a miss, a skipped save, or a load error for the
+blocks concerned, which vLLM recomputes (``kv_load_failure_policy: recompute``). A
+promised load always ends: an async load is reported finished on every rank, failed
+or not, so no request waits forever.
 
 Keys. With vLLM's default sha256 block hashes, keys are the same in every process,
 so engines sharing a disk or Redis tier share prefixes. With an xxhash algorithm
@@ -39,30 +50,55 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
+from vllm.distributed.parallel_state import (
+    get_pp_group,
+    get_tp_group,
+    model_parallel_is_initialized,
 )
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.config import KVTierConfig, load_config, parse_config
-from kvtier.connector import ConnectorCache, ConnectorHit, EngineKV, engine_layout
+from kvtier.connector import (
+    ConnectorCache,
+    ConnectorHit,
+    ConnectorIndex,
+    EngineKV,
+    ShardReport,
+    ShardSpec,
+    engine_layout,
+)
+from kvtier.integrations.vllm_metrics import (
+    FAULTS,
+    LOAD_ERRORS,
+    KVTierPromMetrics,
+    KVTierStats,
+    counters,
+    gained,
+)
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import ParallelConfig, VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
@@ -75,45 +111,58 @@ HIT_SOURCES: dict[str, CacheHitSource] = {
 }
 
 
+@dataclass(frozen=True)
+class KVTierHandshake(KVConnectorHandshakeMetadata):
+    """A worker's shard, sent to the scheduler once at start-up."""
+
+    shard: ShardSpec
+
+
 @dataclass
-class _Engine:
-    """What one engine's scheduler and worker sides share in this process."""
+class KVTierWorkerMeta(KVConnectorWorkerMetadata):
+    """Each shard's report of one step (``ShardReport``), by shard."""
 
-    cache: ConnectorCache
-    delayed: set[str] = field(default_factory=set)  # request_finished returned True
+    reports: dict[str, ShardReport]
 
-
-# Each engine's shared state, by kv_transfer_config.engine_id: the worker side makes it
-# in register_kv_caches, the scheduler side looks it up.
-_engines: dict[str, _Engine] = {}
-_engines_lock = threading.Lock()
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KVTierWorkerMeta)
+        return KVTierWorkerMeta({**self.reports, **other.reports})  # one entry per shard
 
 
 @dataclass(frozen=True)
 class LoadSpec:
-    """Load request ``req_id``'s pinned hit; ``asynchronous`` when it reads spill tiers."""
+    """Load the hit of ``req_id`` into vLLM ``block_ids``: ``keys`` are the base keys of
+    its blocks, ``parent`` that of the block before (None for block 0). A spec with no
+    hit only reports ``block_ids`` as not loaded (the scheduler failed to pin them)."""
 
     req_id: str
+    hit: ConnectorHit | None
+    keys: list[bytes]
+    parent: bytes | None
+    block_ids: list[int]
     asynchronous: bool
 
 
 @dataclass(frozen=True)
 class SaveSpec:
-    """Copy vLLM ``block_ids`` (chain positions ``start..``) into the host pool."""
+    """Copy vLLM ``block_ids`` (chain positions ``start..``, base keys ``keys``, the first
+    one's parent ``parent``, None for block 0) into the host pool."""
 
     req_id: str
     block_ids: list[int]
     keys: list[bytes]
-    parent: bytes
+    parent: bytes | None
     start: int
 
 
 @dataclass
 class KVTierMetadata(KVConnectorMetadata):
-    """What the worker does this step: loads before the forward, saves after it."""
+    """What the workers do this step: loads before the forward, saves after it, and
+    ``reset``: drop the host pool first (the scheduler moved to a new key space)."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    reset: bool = False
 
 
 @dataclass
@@ -122,10 +171,25 @@ class _RequestState:
 
     request: Request
     keys: list[bytes] = field(default_factory=list)  # of request.block_hashes, grown lazily
-    num_saved: int = 0  # leading blocks handed to the worker to save
+    num_saved: int = 0  # leading blocks handed to the workers to save
     hit: ConnectorHit | None = None  # the last lookup's answer, until it is pinned
+    asynchronous: bool = False  # what the last lookup told vLLM
     loaded: dict[str, int] = field(default_factory=dict)  # blocks per tier being loaded
+    loading: set[int] = field(default_factory=set)  # vLLM blocks of its load in flight
+    failed: bool = False  # a load of it failed: it is not offered another (vLLM recomputes)
     saves: bool = True  # False once reset_cache ran: its KV may be the old weights'
+
+
+def shard_name(parallel: ParallelConfig) -> str:
+    """This worker's shard: its tensor- and pipeline-parallel rank among how many. From
+    vLLM's process groups once they exist, else from ``parallel.rank`` (a worker built
+    outside an engine)."""
+    tp_size, pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    if model_parallel_is_initialized():
+        tp, pp = get_tp_group().rank_in_group, get_pp_group().rank_in_group
+    else:
+        tp, pp = parallel.rank % tp_size, parallel.rank // tp_size % pp_size
+    return f"tp{tp}/{tp_size} pp{pp}/{pp_size}"
 
 
 def load_connector_config(extra: dict[str, Any]) -> KVTierConfig:
@@ -153,12 +217,6 @@ class KVTierConnector(KVConnectorBase_V1):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        world = vllm_config.parallel_config.world_size
-        if world != 1:
-            raise ValueError(
-                f"KVTierConnector runs the scheduler and worker sides in one process; "
-                f"it needs tensor and pipeline parallel size 1, got a world size of {world}"
-            )
         cache_config = vllm_config.cache_config
         if not cache_config.enable_prefix_caching:
             raise ValueError("KVTierConnector needs vLLM's prefix caching (its block hashes)")
@@ -168,59 +226,38 @@ class KVTierConnector(KVConnectorBase_V1):
                 f"KVTierConnector needs block hashes per KV block: hash_block_size "
                 f"{hash_block} != block_size {cache_config.block_size}"
             )
-        algo = cache_config.prefix_caching_hash_algo
-        if algo.startswith("xxhash") and os.environ.get("PYTHONHASHSEED") is None:
-            log.warning(
-                "kvtier: prefix_caching_hash_algo %s without PYTHONHASHSEED gives block "
-                "hashes that differ per process: disk and Redis hits are lost on restart "
-                "and never shared between engines. Set PYTHONHASHSEED or use sha256.",
-                algo,
-            )
-        if role is KVConnectorRole.SCHEDULER and (
-            self._kv_transfer_config.kv_load_failure_policy != "recompute"
-        ):
-            log.warning(
-                "kvtier: kv_load_failure_policy is %r: a block that does not load (a corrupt "
-                "value, an unreachable Redis) fails its request. Set it to 'recompute' to "
-                "have vLLM compute such blocks instead.",
-                self._kv_transfer_config.kv_load_failure_policy,
-            )
         self.config = load_connector_config(self._kv_transfer_config.kv_connector_extra_config)
         self.block_size = cache_config.block_size
-        self._engine_id = self._kv_transfer_config.engine_id
-        self._engine: _Engine | None = None
+        model = self.config.model
+        self._name = f"vllm:{vllm_config.model_config.model if model == 'default' else model}"
+        self.faults: Counter[str] = Counter()  # exceptions caught, by hook
+        self._reported: dict[str, int] = {}  # counters as last handed to vLLM's stats
         # Scheduler side.
+        self.index: ConnectorIndex | None = None
         self._requests: dict[str, _RequestState] = {}
         self._loads: list[LoadSpec] = []
+        self._reset = False
         # Worker side.
-        self._async_loads: set[str] = set()  # started, not yet over
+        self._cache: ConnectorCache | None = None
+        self._async_loads: dict[str, list[int]] = {}  # started, not yet reported: blocks
         self._recving: set[str] = set()  # async loads over, not yet told to vLLM
         self._load_errors: set[int] = set()
         self.num_load_errors = 0  # blocks reported to vLLM as not loaded, in all
         self._failed_now: set[str] = set()  # requests whose sync load failed this step
-        self._finishing: set[str] = set()  # finished requests whose free may be delayed
-
-    @property
-    def engine(self) -> _Engine:
-        """State shared with the other side (made by ``register_kv_caches``)."""
-        if self._engine is None:
-            with _engines_lock:
-                self._engine = _engines.get(self._engine_id)
-            if self._engine is None:
-                raise RuntimeError(
-                    "KVTierConnector: no KV caches registered in this process; the scheduler "
-                    "and worker sides must share a process (world size 1)"
-                )
-        return self._engine
+        if role is KVConnectorRole.SCHEDULER:
+            self._warn_about_settings()
+            self.index = ConnectorIndex(self.config, self._name)
 
     @property
     def cache(self) -> ConnectorCache:
-        """The engine's host pool and spill tiers."""
-        return self.engine.cache
+        """This worker's host pool and spill tiers (after ``register_kv_caches``)."""
+        if self._cache is None:
+            raise RuntimeError("KVTierConnector: register_kv_caches has not run in this worker")
+        return self._cache
 
     # ============================================================ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Adopt vLLM's per-layer KV tensors and open the tiers below them."""
+        """Adopt vLLM's per-layer KV tensors and open this rank's tiers below them."""
         names = sorted(kv_caches, key=extract_layer_index)
         kv = EngineKV([kv_caches[name] for name in names])
         model = self._vllm_config.model_config
@@ -228,21 +265,24 @@ class KVTierConnector(KVConnectorBase_V1):
         layout = engine_layout(
             kv, self.block_size, model.get_num_kv_heads(parallel), model.get_head_size()
         )
-        name = self.config.model if self.config.model != "default" else model.model
-        cache = ConnectorCache(self.config, kv, layout, f"vllm:{name}:{kv.describe()}")
-        self._engine = _Engine(cache)
-        with _engines_lock:
-            _engines[self._engine_id] = self._engine
-        log.info("kvtier: connector on %s (%s)", kv.describe(), layout.describe())
+        shard = shard_name(parallel)
+        self._cache = ConnectorCache(self.config, kv, layout, self._name, shard)
+        log.info("kvtier: connector on %s (%s), shard %s", kv.describe(), layout.describe(), shard)
+
+    def get_handshake_metadata(self) -> KVTierHandshake | None:
+        return KVTierHandshake(self._cache.spec) if self._cache is not None else None
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Start this step's loads: host hits are copied now, spill hits on a worker."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVTierMetadata)
+        if meta.reset:
+            self._guarded("reset", self.cache.reset)
         for spec in meta.loads:
             if spec.asynchronous:
-                self._async_loads.add(spec.req_id)
-            self.cache.load(spec.req_id)
+                self._async_loads[spec.req_id] = spec.block_ids
+            if spec.hit is None or not self._guarded("start_load_kv", self._start_load, spec):
+                self._fail_load(spec)
         if any(not spec.asynchronous for spec in meta.loads):
             self._collect_loads()  # see which sync loads failed before saving below
 
@@ -263,14 +303,14 @@ class KVTierConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVTierMetadata)
         for spec in meta.saves:
-            if spec.req_id in self._failed_now:
-                continue  # its KV past the failed blocks was computed from bad KV
-            self.cache.save(spec.req_id, spec.block_ids, spec.keys, spec.parent, spec.start)
+            if spec.req_id not in self._failed_now:  # else computed from bad KV
+                self._guarded("wait_for_save", self._save, spec)
         self._failed_now.clear()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        """(requests whose delayed free may happen now, requests whose async load is over,
-        failed or not: its failed blocks are in ``get_block_ids_with_load_errors``)."""
+        """(requests whose blocks may be freed now: none, vLLM frees at once; requests
+        whose async load is over, failed or not: failed blocks are in
+        ``get_block_ids_with_load_errors``)."""
         if self._async_loads:
             # vLLM calls this every step, and steps back to back while a request waits
             # for its load; the loads run on Python threads that need the GIL between
@@ -279,41 +319,112 @@ class KVTierConnector(KVConnectorBase_V1):
             time.sleep(0)
         self._collect_loads()
         recving, self._recving = self._recving, set()
-        engine = self.engine
-        with _engines_lock:
-            # request_finished ran (and decided) before vLLM passes an id in here.
-            self._finishing = (self._finishing | finished_req_ids) & engine.delayed
-            sending = {r for r in self._finishing if not engine.cache.saving(r)}
-            self._finishing -= sending
-            engine.delayed -= sending
-        return sending, recving
+        return set(), recving
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """vLLM blocks that did not load since the last call; vLLM recomputes them."""
         errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def build_connector_worker_meta(self) -> KVTierWorkerMeta | None:
+        """What this worker's host pool gained and lost this step, for the index."""
+        if self._cache is None:
+            return None
+        report = self._guarded("build_connector_worker_meta", self._cache.take_report)
+        return KVTierWorkerMeta({self._cache.shard: report}) if report else None
+
+    def get_kv_connector_stats(self) -> KVTierStats | None:
+        """What kvtier's counters in this process gained since the last step: the
+        worker's tiers and load errors, and each half's caught faults."""
+        now = {FAULTS: sum(self.faults.values())}
+        if self._cache is not None:
+            now[LOAD_ERRORS] = self.num_load_errors
+            now.update(counters(self._cache.counters()))
+        step, self._reported = gained(now, self._reported), now
+        return KVTierStats(step) if step else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVTierStats:
+        return KVTierStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVTierPromMetrics:
+        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def shutdown(self) -> None:
-        """Finish the copies and writes in flight and close the tiers (worker side)."""
-        if self._role is KVConnectorRole.WORKER and self._engine is not None:
-            with _engines_lock:
-                _engines.pop(self._engine_id, None)
-            self._engine.cache.close()
+        """Finish the copies and writes in flight and close the tiers."""
+        if self._cache is not None:
+            self._cache.close()
+        if self.index is not None:
+            self.index.close()
+
+    def _start_load(self, spec: LoadSpec) -> bool:
+        cache = self.cache
+        keys = cache.keys(spec.keys)
+        parent = cache.keys([spec.parent])[0] if spec.parent is not None else cache.root
+        cache.pin(spec.req_id, keys, parent, spec.hit, spec.block_ids)
+        try:
+            cache.load(spec.req_id)
+        except BaseException:
+            cache.abandon(spec.req_id)
+            raise
+        return True
+
+    def _fail_load(self, spec: LoadSpec) -> None:
+        """Report every block of ``spec`` as not loaded; an async load is over."""
+        self._report_failed(spec.req_id, spec.block_ids)
+        if self._async_loads.pop(spec.req_id, None) is not None:
+            self._recving.add(spec.req_id)
+
+    def _save(self, spec: SaveSpec) -> None:
+        cache = self.cache
+        keys = cache.keys(spec.keys)
+        parent = cache.keys([spec.parent])[0] if spec.parent is not None else cache.root
+        cache.save(spec.block_ids, keys, parent, spec.start)
 
     def _collect_loads(self) -> None:
         """Settle the loads that are over: async ones go to ``_recving`` (for the next
         ``get_finished``, whichever call collected them), failed blocks of every one to
-        ``get_block_ids_with_load_errors``; a failed sync load's request is not saved."""
-        for req_id, failed in self.cache.finished_loads():
-            self._load_errors.update(failed)
-            self.num_load_errors += len(failed)
+        ``get_block_ids_with_load_errors``; a failed sync load's request is not saved.
+
+        Should settling itself fail, every async load is waited for and reported failed
+        (the engine recomputes it; no request waits forever, and no copy still running
+        writes into blocks the engine recomputes)."""
+        if self._cache is None:
+            return
+        finished = self._guarded("get_finished", self._cache.finished_loads)
+        if finished is None:
+            self._guarded("get_finished", self._cache.wait_loads)
+            finished = list(self._async_loads.items())
+        for req_id, failed in finished:
             if req_id in self._async_loads:
-                self._async_loads.discard(req_id)
+                del self._async_loads[req_id]
                 self._recving.add(req_id)
+                self._report_failed(req_id, failed)
             elif failed:
-                self._failed_now.add(req_id)
+                self._report_failed(req_id, failed)
+
+    def _report_failed(self, req_id: str, blocks: list[int]) -> None:
+        if blocks:
+            self._load_errors.update(blocks)
+            self.num_load_errors += len(blocks)
+            self._failed_now.add(req_id)
 
     # ============================================================ scheduler side
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
+        """Every worker's shard, keyed by (pipeline rank, tensor rank)."""
+        shards = [m.shard for _, m in sorted(metadata.items()) if isinstance(m, KVTierHandshake)]
+        self.index.set_shards(shards)
+        log.info("kvtier: scheduler index over %d shard(s)", len(shards))
+
     def on_new_request(self, request: Request) -> None:
         self._requests[request.request_id] = _RequestState(request)
 
@@ -322,19 +433,17 @@ class KVTierConnector(KVConnectorBase_V1):
     ) -> tuple[int, bool]:
         """Tokens past vLLM's own hit held below it; async when spill tiers must be read."""
         state = self._state(request)
-        wanted = (request.num_tokens - 1) // self.block_size
-        start = num_computed_tokens // self.block_size
-        if start >= wanted:
-            state.hit = None
+        state.hit, state.asynchronous = None, False
+        hit = self._guarded("get_num_new_matched_tokens", self._match, state, num_computed_tokens)
+        if hit is None or not hit.num_blocks:
             return 0, False
-        state.hit = self.cache.lookup(self._keys(state)[:wanted], start)
-        n = state.hit.num_blocks * self.block_size
-        return n, bool(n and state.hit.spill)
+        state.hit, state.asynchronous = hit, bool(hit.spill)
+        return hit.num_blocks * self.block_size, state.asynchronous
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        """Pin the hit for the blocks vLLM allocated; the worker loads it this step."""
+        """Pin the hit for the blocks vLLM allocated; the workers load it this step."""
         state = self._state(request)
         hit, state.hit = state.hit, None
         if not num_external_tokens or hit is None:
@@ -342,9 +451,11 @@ class KVTierConnector(KVConnectorBase_V1):
         hit = hit.truncated(num_external_tokens // self.block_size)
         table = blocks.get_block_ids()[0]
         targets = table[hit.start : hit.start + hit.num_blocks]
-        self.cache.pin(request.request_id, state.keys, hit, targets)
-        state.loaded = hit.blocks_per_tier()
-        self._loads.append(LoadSpec(request.request_id, bool(hit.spill)))
+        spec = self._guarded("update_state_after_alloc", self._load_spec, state, hit, targets)
+        if spec is None:  # the workers must still hear of it: as blocks not loaded
+            spec = LoadSpec(request.request_id, None, [], None, targets, state.asynchronous)
+        self._loads.append(spec)
+        state.loading = set(targets)
 
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int
@@ -359,52 +470,47 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMetadata:
         """This step's loads, and the blocks each scheduled request fills this step."""
-        meta = KVTierMetadata(loads=self._loads)
-        self._loads = []
+        meta = KVTierMetadata(loads=self._loads, reset=self._reset)
+        self._loads, self._reset = [], False
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(req_id)
-            if state is None or not state.saves:
-                continue
-            request = state.request
-            full = min(
-                len(request.block_hashes),
-                (request.num_computed_tokens + num_new) // self.block_size,
-            )
-            if full <= state.num_saved:
-                continue
-            keys = self._keys(state)
-            start = state.num_saved
-            table = self._kv_cache_manager.get_block_ids(req_id)[0]
-            meta.saves.append(
-                SaveSpec(
-                    req_id,
-                    table[start:full],
-                    keys[start:full],
-                    keys[start - 1] if start else self.cache.root,
-                    start,
-                )
-            )
-            state.num_saved = full
+            if state is not None and state.saves:
+                save = self._guarded("build_connector_meta", self._save_spec, state, num_new)
+                if save is not None:
+                    meta.saves.append(save)
         return meta
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Apply the workers' reports to the index, and note the requests whose load
+        failed: the same tier would likely fail their retry too, and a request holding
+        blocks may not be admitted for another asynchronous load (vLLM's reservation
+        rule), so their retry recomputes instead."""
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, KVTierWorkerMeta):
+            self._guarded("update_connector_output", self.index.apply, meta.reports)
+        invalid = connector_output.invalid_block_ids
+        done = connector_output.finished_recving or ()
+        for state in self._requests.values():
+            if state.loading and (state.loading & invalid):
+                state.failed = True
+            if state.request.request_id in done or not state.asynchronous:
+                state.loading = set()
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Free the blocks now unless a save is still copying out of them (CUDA)."""
+        """vLLM may free the blocks at once: a save's copy is ordered before their reuse."""
         self._requests.pop(request.request_id, None)
-        engine = self.engine
-        with _engines_lock:
-            delay = engine.cache.saving(request.request_id)
-            if delay:
-                engine.delayed.add(request.request_id)
-        return delay, None
+        return False, None
 
     def reset_cache(self) -> bool:
         """Forget everything kvtier stored for this engine (vLLM's
         ``reset_prefix_cache(reset_connector=True)``, e.g. after a weight update): keys
-        move to a new namespace (``ConnectorCache.reset``), and requests alive now are
-        never saved again, since their KV may have been computed with the old weights."""
-        self.cache.reset()
+        move to a new key space, the workers drop their host pools, and requests alive
+        now are never saved again, since their KV may have been computed with the old
+        weights."""
+        self.index.reset()
+        self._reset = True
         for state in self._requests.values():
             state.keys.clear()
             state.hit = None
@@ -412,6 +518,41 @@ class KVTierConnector(KVConnectorBase_V1):
         return True
 
     # ------------------------------------------------------------------ helpers
+    def _match(self, state: _RequestState, num_computed_tokens: int) -> ConnectorHit | None:
+        wanted = (state.request.num_tokens - 1) // self.block_size
+        start = num_computed_tokens // self.block_size
+        if start >= wanted or state.failed:
+            return None
+        return self.index.lookup(self._keys(state)[:wanted], start)
+
+    def _load_spec(self, state: _RequestState, hit: ConnectorHit, targets: list[int]) -> LoadSpec:
+        keys = self._keys(state)
+        start, end = hit.start, hit.start + hit.num_blocks
+        state.loaded = hit.blocks_per_tier()
+        parent = keys[start - 1] if start else None
+        req_id = state.request.request_id
+        return LoadSpec(req_id, hit, keys[start:end], parent, targets, state.asynchronous)
+
+    def _save_spec(self, state: _RequestState, num_new: int) -> SaveSpec | None:
+        request = state.request
+        full = min(
+            len(request.block_hashes),
+            (request.num_computed_tokens + num_new) // self.block_size,
+        )
+        if full <= state.num_saved:
+            return None
+        keys = self._keys(state)
+        start = state.num_saved
+        table = self._kv_cache_manager.get_block_ids(request.request_id)[0]
+        state.num_saved = full
+        return SaveSpec(
+            request.request_id,
+            table[start:full],
+            keys[start:full],
+            keys[start - 1] if start else None,
+            start,
+        )
+
     def _state(self, request: Request) -> _RequestState:
         state = self._requests.get(request.request_id)
         if state is None:
@@ -419,8 +560,42 @@ class KVTierConnector(KVConnectorBase_V1):
         return state
 
     def _keys(self, state: _RequestState) -> list[bytes]:
-        """Keys of all of the request's block hashes so far (extended as it grows)."""
+        """Base keys of all of the request's block hashes so far (extended as it grows)."""
         hashes = state.request.block_hashes
         if len(state.keys) < len(hashes):
-            state.keys.extend(self.cache.keys(hashes[len(state.keys) :]))
+            state.keys.extend(self.index.keys(hashes[len(state.keys) :]))
         return state.keys
+
+    def _guarded(self, hook: str, fn: Any, *args: Any) -> Any:
+        """``fn(*args)``, or None when it raises: kvtier never takes the engine down. The
+        first failure of each hook is logged with its traceback, later ones counted."""
+        try:
+            return fn(*args)
+        except Exception:
+            self.faults[hook] += 1
+            if self.faults[hook] == 1:
+                log.exception(
+                    "kvtier: %s failed; the engine goes on without kvtier's part of it "
+                    "(further failures of this hook are counted, not logged)",
+                    hook,
+                )
+            return None
+
+    def _warn_about_settings(self) -> None:
+        cache_config = self._vllm_config.cache_config
+        algo = cache_config.prefix_caching_hash_algo
+        if algo.startswith("xxhash") and os.environ.get("PYTHONHASHSEED") is None:
+            log.warning(
+                "kvtier: prefix_caching_hash_algo %s without PYTHONHASHSEED gives block "
+                "hashes that differ per process: disk and Redis hits are lost on restart "
+                "and never shared between engines. Set PYTHONHASHSEED or use sha256.",
+                algo,
+            )
+        policy = self._kv_transfer_config.kv_load_failure_policy
+        if policy != "recompute":
+            log.warning(
+                "kvtier: kv_load_failure_policy is %r: a block that does not load (a corrupt "
+                "value, an unreachable Redis) fails its request. Set it to 'recompute' to "
+                "have vLLM compute such blocks instead.",
+                policy,
+            )

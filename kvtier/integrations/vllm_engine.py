@@ -1,20 +1,20 @@
 """One vLLM engine serving token-id prompts, with or without kvtier's connector.
 
-The end-to-end tests, ``benchmarks/bench_vllm_ttft.py``, ``examples/vllm_offline.py``
-and ``kvtier demo --engine vllm`` all drive vLLM through this module:
+``examples/vllm_offline.py`` and ``kvtier demo --engine vllm`` drive vLLM's offline
+``LLM`` through this module:
 
     report = run_engine(EngineSpec(model_dir, prompts=[...], kvtier={...}), workdir)
 
 Every engine runs in a process of its own (``python -m kvtier.integrations.vllm_engine
-SPEC.json OUT.json``): vLLM keeps process-wide state (its distributed environment,
-the connector group), and two engines that share nothing but a disk or Redis tier is
-exactly what a second process shows. The engine runs its worker in its own process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), which the connector needs anyway.
+SPEC.json OUT.json``), with vLLM's defaults: its engine core and worker are processes
+of their own too. vLLM keeps process-wide state, and two engines that share nothing
+but a disk or Redis tier is exactly what a second process shows.
 
 Per request the report gives the output tokens (greedy), vLLM's ``num_cached_tokens``
 (its own prefix cache plus what the connector loaded), the time to first token as
-vLLM measured it, and the blocks each kvtier tier supplied; with the connector also
-the blocks reported as failed loads and kvtier's per-tier counters at the end.
+vLLM measured it, and the prompt tokens each source supplied (vLLM's counters:
+``vllm`` for its own cache, kvtier's ``cpu`` / ``disk`` / ``redis``); with the
+connector also kvtier's per-tier counters, as vLLM's metrics carry them.
 
 No model hub: ``save_model`` writes a seeded random Llama and a word-level tokenizer
 (token ``i`` is the word ``w<i>``) to a directory vLLM loads like any checkpoint.
@@ -22,7 +22,6 @@ No model hub: ``save_model`` writes a seeded random Llama and a word-level token
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -34,7 +33,7 @@ from typing import Any
 
 from transformers import LlamaConfig
 
-from kvtier.demo import Chat, ChatShape
+from kvtier.workloads import Chat, ChatShape
 
 BLOCK_SIZE = 32  # tokens per vLLM block (on CPU a multiple of 32)
 
@@ -88,17 +87,15 @@ class RequestReport:
     tokens: list[int]
     num_cached_tokens: int
     ttft: float
-    blocks_per_tier: dict[str, int] = field(default_factory=dict)  # kvtier tiers only
+    tokens_per_tier: dict[str, int] = field(default_factory=dict)  # not computed, by source
 
 
 @dataclass
 class EngineReport:
-    """Every request, vLLM's own count of cached prompt tokens by source (``device``,
-    and what connectors report: ``host``, ``disk``, ``external_unspecified``; non-zero
-    ones), and with the connector its failed-load count and tier counters."""
+    """Every request, and with the connector kvtier's counters at the end, summed over
+    its workers: ``tiers[tier][counter]`` and ``load_errors`` (blocks vLLM recomputed)."""
 
     requests: list[RequestReport]
-    cached_by_source: dict[str, int] = field(default_factory=dict)
     load_errors: int = 0
     tiers: dict[str, dict[str, int]] = field(default_factory=dict)
 
@@ -129,13 +126,15 @@ def run_engine(spec: EngineSpec, workdir: str | Path, timeout: float = 600) -> E
     return EngineReport(**data)
 
 
+# vLLM's sources of cached prompt tokens, as kvtier's demo names them.
+SOURCES = {"device": "vllm", "host": "cpu", "disk": "disk", "external_unspecified": "redis"}
+
+
 def _serve(spec: EngineSpec) -> EngineReport:
     """Run ``spec`` in this process (the engine process's body)."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
     from vllm.inputs import TokensPrompt
 
     transfer = None
@@ -158,16 +157,15 @@ def _serve(spec: EngineSpec) -> EngineReport:
         kv_transfer_config=transfer,
         disable_log_stats=False,  # per-request metrics: the time to first token
     )
-    connector = get_kv_transfer_group() if transfer is not None else None
     params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0)
     report = EngineReport([])
 
     def serve(prompt: list[int]) -> list[int]:
         if spec.reset_between:
             assert llm.reset_prefix_cache()
-        before = _blocks_out(connector)
+        before = _cached_by_source(llm)
         (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
-        after = _blocks_out(connector)
+        after = _cached_by_source(llm)
         tokens = list(out.outputs[0].token_ids)
         report.requests.append(
             RequestReport(
@@ -186,26 +184,24 @@ def _serve(spec: EngineSpec) -> EngineReport:
         chat = Chat(spec.chat, llm.llm_engine.model_config.get_vocab_size(), spec.seed)
         for conv, _, prompt in chat.requests():
             chat.reply(conv, prompt, serve(prompt))
-    report.cached_by_source = {
-        m.labels["source"]: int(m.value)
-        for m in llm.get_metrics()
-        if m.name == "vllm:prompt_tokens_cached_by_source" and m.value
-    }
-    if connector is not None:
-        connector.cache.flush()
-        report.load_errors = connector.num_load_errors
-        report.tiers = {
-            name: {k: v for k, v in dataclasses.asdict(s).items() if isinstance(v, int)}
-            for name, s in connector.cache.stats().tiers.items()
-        }
+    for m in llm.get_metrics():
+        name = m.name.removeprefix("vllm:kvtier_")
+        if name == m.name or not m.value:
+            continue
+        if "tier" in m.labels:
+            report.tiers.setdefault(m.labels["tier"], {})[name] = int(m.value)
+        elif name == "load_error_blocks":
+            report.load_errors = int(m.value)
     return report
 
 
-def _blocks_out(connector: Any) -> dict[str, int]:
-    """Blocks each kvtier tier has handed up so far (none without a connector)."""
-    if connector is None:
-        return {}
-    return {name: s.blocks_out for name, s in connector.cache.stats().tiers.items()}
+def _cached_by_source(llm: Any) -> dict[str, int]:
+    """Prompt tokens not computed so far, by source (named as in ``SOURCES``)."""
+    return {
+        SOURCES.get(m.labels["source"], m.labels["source"]): int(m.value)
+        for m in llm.get_metrics()
+        if m.name == "vllm:prompt_tokens_cached_by_source"
+    }
 
 
 def main(spec_path: str, out_path: str) -> None:

@@ -29,6 +29,6 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,
-        max_position_embeddings=2048,
+        max_position_embeddings=4096,
     )
     return save_model(tmp_path_factory.mktemp("tiny-llama"), config, "bfloat16")

@@ -18,9 +18,10 @@ from typing import Any
 
 import yaml
 
-from kvtier.demo import DEMO_MODEL, ChatShape, DemoResult, Turn, print_report, write_json
+from kvtier.demo import DEMO_MODEL, DemoResult, Turn, print_report, write_json
 from kvtier.integrations.vllm_engine import BLOCK_SIZE, EngineSpec, run_engine, save_model
 from kvtier.plot import plot_demo
+from kvtier.workloads import ChatShape
 
 VLLM_BLOCKS = 160  # vLLM's own KV pool: 5120 tokens, two conversations at the end
 MAX_MODEL_LEN = 4096  # the chat's longest prompt and reply fit (6 turns: 2624 tokens)
@@ -71,13 +72,11 @@ def run(
             )
             for tiers in (None, kvtier)
         )
-    names = ["vllm", *(t for t in cached.tiers if t in ("cpu", "disk", "redis"))]
+    names = ["vllm", *(t for t in ("cpu", "disk", "redis") if t in kvtier["tiers"])]
     result = DemoResult(f"vllm:{DEMO_MODEL.model_type}-demo", names, baseline="vLLM alone")
     order = [(t, c) for t in range(shape.turns) for c in range(shape.conversations)]
     for (turn, conv), ours, theirs in zip(order, cached.requests, alone.requests, strict=True):
-        from_kvtier = {t: n * BLOCK_SIZE for t, n in ours.blocks_per_tier.items()}
-        own = ours.num_cached_tokens - sum(from_kvtier.values())
-        per_tier = {k: v for k, v in {"vllm": own, **from_kvtier}.items() if v}
+        per_tier = ours.tokens_per_tier
         result.turns.append(
             Turn(
                 conv,
@@ -91,7 +90,7 @@ def run(
             )
         )
     result.bytes_moved = {
-        t: {"in": s["bytes_in"], "out": s["bytes_out"]}
+        t: {"in": s.get("bytes_in", 0), "out": s.get("bytes_out", 0)}
         for t, s in cached.tiers.items()
         if t in names
     }

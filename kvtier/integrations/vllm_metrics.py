@@ -1,0 +1,103 @@
+"""kvtier's counters through vLLM's connector stats, into vLLM's own ``/metrics``.
+
+The counters live where the work happens: each worker's host pool and spill tiers,
+and the hooks of both connector halves. Each step a connector hands vLLM what its
+counters gained since the last step (``KVTierStats``); vLLM sums them over the workers
+and the scheduler, logs them with its periodic stats, and records them into the
+Prometheus counters ``KVTierPromMetrics`` registers (``vllm:kvtier_<counter>_total``,
+labelled by tier, and ``vllm:kvtier_load_error_blocks_total`` /
+``vllm:kvtier_faults_total``). Counts of all ranks are summed: with tensor parallel
+size 2 a block loaded on both ranks counts twice.
+
+The payload is a flat ``{name: int}`` dict (``"<tier>.<counter>"``, ``LOAD_ERRORS``,
+``FAULTS``): plain data, so that it crosses vLLM's process boundaries as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+from kvtier.metrics import CacheStats
+from kvtier.prometheus import COUNTERS
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+LOAD_ERRORS = "load_error_blocks"  # blocks reported to vLLM as not loaded
+FAULTS = "faults"  # exceptions a connector hook caught
+TIERS = ("cpu", "disk", "redis")
+EXTRA: dict[str, str] = {
+    LOAD_ERRORS: "Blocks kvtier reported to vLLM as not loaded (vLLM recomputed them).",
+    FAULTS: "Exceptions inside kvtier that its connector hooks caught (each a miss or a "
+    "load error).",
+}
+
+
+def counters(stats: CacheStats) -> dict[str, int]:
+    """The flat counters (``"<tier>.<counter>"``) of a stats snapshot."""
+    return {
+        f"{tier}.{name}": getattr(s, name) for tier, s in stats.tiers.items() for name in COUNTERS
+    }
+
+
+def gained(now: Mapping[str, int], before: Mapping[str, int]) -> dict[str, int]:
+    """What each counter gained since ``before`` (the ones that did)."""
+    return {k: v - before.get(k, 0) for k, v in now.items() if v != before.get(k, 0)}
+
+
+@dataclass
+class KVTierStats(KVConnectorStats):
+    """One step's (or, aggregated, one interval's) counter increments."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for name, n in other.data.items():
+            self.data[name] = self.data.get(name, 0) + n
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(sorted(self.data.items()))
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class KVTierPromMetrics(KVConnectorPromMetrics):
+    """vLLM Prometheus counters for kvtier's per-tier counters and its connector's."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._metrics: dict[str, dict[int, PromMetric]] = {}
+        for name, doc in {**COUNTERS, **EXTRA}.items():
+            per_tier = name in COUNTERS
+            labels = [*labelnames, "tier"] if per_tier else labelnames
+            metric = self._counter_cls(name=f"vllm:kvtier_{name}", documentation=doc,
+                                       labelnames=labels)  # fmt: skip
+            for tier in TIERS if per_tier else (None,):
+                values = {i: [*v, tier] if tier else v for i, v in per_engine_labelvalues.items()}
+                key = f"{tier}.{name}" if tier else name
+                self._metrics[key] = create_metric_per_engine(metric, values)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, n in transfer_stats_data.items():
+            metric = self._metrics.get(key)
+            if metric is not None and n > 0:
+                metric[engine_idx].inc(n)

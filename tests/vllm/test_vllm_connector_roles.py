@@ -1,0 +1,433 @@
+"""KVTierConnector's two halves driven step by step, as vLLM's processes call them.
+
+One scheduler-side connector and one worker-side connector per shard (tensor-parallel
+rank) are built from real ``VllmConfig`` objects over the tiny model, as vLLM builds
+them in separate processes. Nothing passes between them but what vLLM itself passes:
+the start-up handshake, the per-step ``KVTierMetadata`` and the worker's
+``KVConnectorOutput``. Requests, block tables and scheduler output are small
+stand-ins carrying only the fields the connector reads. Each test can thus place a hook
+call exactly where a real engine, or a fault, would put it.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+from redis_servers import LOCAL_URL, delete_prefix, unique_prefix  # noqa: E402
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
+
+from kvtier.connector import ConnectorCache, ConnectorIndex  # noqa: E402
+from kvtier.integrations.vllm import KVTierConnector  # noqa: E402
+from kvtier.tiers.lmdb import LMDBTier  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+BLOCK = 32
+NUM_BLOCKS = 16
+LAYERS = 2
+KV_HEADS = 2  # the tiny model's; each of TP ranks holds KV_HEADS // TP of them
+
+
+def _vllm_config(
+    model: str, kvtier: dict, tp: int = 1, rank: int = 0, on_load_failure: str = "recompute"
+) -> VllmConfig:
+    return VllmConfig(
+        model_config=ModelConfig(model=model, dtype="bfloat16"),
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp, rank=rank),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KVTierConnector",
+            kv_connector_module_path="kvtier.integrations.vllm",
+            kv_role="kv_both",
+            kv_load_failure_policy=on_load_failure,
+            kv_connector_extra_config={"kvtier": kvtier},
+        ),
+    )
+
+
+@dataclass
+class Request:
+    """The fields of vLLM's ``Request`` the connector reads."""
+
+    request_id: str
+    block_hashes: list[bytes]
+    num_tokens: int
+    num_computed_tokens: int = 0
+
+
+@dataclass
+class Blocks:
+    """vLLM's ``KVCacheBlocks`` / the cache manager's block table: one group."""
+
+    ids: list[int]
+
+    def get_block_ids(self, req_id: str | None = None) -> tuple[list[int]]:
+        return (self.ids,)
+
+
+@dataclass
+class SchedulerOutput:
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+
+
+class Engine:
+    """A scheduler-side connector and ``tp`` worker-side ones, wired as vLLM wires them."""
+
+    def __init__(self, model: str, kvtier: dict, tp: int = 1) -> None:
+        self.workers = []  # first, as vLLM registers the KV caches before the scheduler
+        for rank in range(tp):
+            worker = KVTierConnector(
+                _vllm_config(model, kvtier, tp, rank), KVConnectorRole.WORKER, None
+            )
+            # vLLM's CPU view of a layer: [blocks, kv_heads, block_size, 2 * head_size]
+            worker.register_kv_caches(
+                {
+                    f"model.layers.{i}.self_attn.attn": torch.randn(
+                        NUM_BLOCKS, KV_HEADS // tp, BLOCK, 64, dtype=torch.bfloat16
+                    )
+                    for i in range(LAYERS)
+                }
+            )
+            self.workers.append(worker)
+        self.scheduler = KVTierConnector(
+            _vllm_config(model, kvtier, tp), KVConnectorRole.SCHEDULER, None
+        )
+        self.scheduler.set_xfer_handshake_metadata_pp_aware(
+            {(0, r): w.get_handshake_metadata() for r, w in enumerate(self.workers)}
+        )
+        self.tables: dict[str, Blocks] = {}
+        self.scheduler._kv_cache_manager = self  # get_block_ids, as vLLM's manager
+        # vLLM's own merge of the workers' outputs: a load is over once every rank has
+        # reported it, in whichever steps they did.
+        self.aggregator = KVOutputAggregator(tp)
+
+    def get_block_ids(self, req_id: str) -> tuple[list[int]]:
+        return self.tables[req_id].get_block_ids()
+
+    def admit(self, request: Request, table: list[int]) -> tuple[int, bool]:
+        """Scheduling of a new request with vLLM's own hit of ``num_computed_tokens``:
+        lookup, allocation of ``table``, and what vLLM was told."""
+        self.scheduler.on_new_request(request)
+        n, asynchronous = self.scheduler.get_num_new_matched_tokens(
+            request, request.num_computed_tokens
+        )
+        self.tables[request.request_id] = Blocks(table)
+        self.scheduler.update_state_after_alloc(request, Blocks(table), n)
+        request.num_computed_tokens += n
+        return n, asynchronous
+
+    def step(self, scheduled: dict[str, int]) -> tuple[set[str], set[int]]:
+        """One engine step: metadata to every worker, their hooks around the forward,
+        their outputs merged by vLLM's aggregator; returns (loads over on every rank,
+        failed blocks)."""
+        meta = self.scheduler.build_connector_meta(SchedulerOutput(scheduled))
+        outputs = []
+        for worker in self.workers:
+            worker.bind_connector_metadata(meta)
+            worker.start_load_kv(None)
+            worker.wait_for_save()
+            _, done = worker.get_finished(set())
+            output = KVConnectorOutput(
+                finished_recving=done,
+                invalid_block_ids=worker.get_block_ids_with_load_errors(),
+                kv_connector_worker_meta=worker.build_connector_worker_meta(),
+            )
+            outputs.append(ModelRunnerOutput([], {}, kv_connector_output=output))
+            worker.clear_connector_metadata()
+        output = self.aggregator.aggregate(outputs).kv_connector_output
+        self.scheduler.update_connector_output(output)
+        return output.finished_recving or set(), output.invalid_block_ids
+
+    def serve(self, request: Request, table: list[int]) -> tuple[int, bool]:
+        """Admit ``request`` and run the step that computes (and saves) its prompt."""
+        n, asynchronous = self.admit(request, table)
+        if asynchronous:
+            self.load()
+        self.step({request.request_id: request.num_tokens - request.num_computed_tokens})
+        request.num_computed_tokens = request.num_tokens
+        return n, asynchronous
+
+    def load(self) -> tuple[set[str], set[int]]:
+        """Steps while async loads run: the one that starts them, then one after they
+        are over; returns (loads over, failed blocks) of both."""
+        done, errors = self.step({})
+        for w in self.workers:
+            w.cache.wait_loads()
+        more_done, more_errors = self.step({})
+        return done | more_done, errors | more_errors
+
+    def kv(self, rank: int, ids: list[int]) -> list[torch.Tensor]:
+        return [layer[ids].clone() for layer in self.workers[rank].cache.kv.layers]
+
+    def close(self) -> None:
+        for connector in [*self.workers, self.scheduler]:
+            connector.shutdown()
+
+
+def _hashes(chain: int, n: int) -> list[bytes]:
+    return [bytes([chain, i]) * 16 for i in range(n)]
+
+
+def _request(req_id: str, hashes: list[bytes], computed: int = 0) -> Request:
+    """A prompt of ``len(hashes)`` full blocks and one more token."""
+    return Request(req_id, hashes, len(hashes) * BLOCK + 1, computed)
+
+
+def _host_only(host: str = "1MiB") -> dict:
+    return {"tiers": {"cpu": {"capacity": host}}}
+
+
+def _disk(tmp_path: Path, host: str = "1MiB") -> dict:
+    return {
+        "tiers": {
+            "cpu": {"capacity": host},
+            "disk": {"path": str(tmp_path / "lmdb"), "capacity": "64MiB", "chunk_blocks": 2,
+                     "write_policy": "write_through"},
+        }
+    }  # fmt: skip
+
+
+def _redis(prefix: str) -> dict:
+    """A host pool over the local Redis server (shards of one process can share it;
+    an LMDB store opens once per process, as each TP rank's process does)."""
+    return {
+        "tiers": {
+            "cpu": {"capacity": "1MiB"},
+            "redis": {"url": LOCAL_URL, "key_prefix": prefix, "chunk_blocks": 2},
+        }
+    }
+
+
+@pytest.fixture
+def redis_prefix(real_client):
+    prefix = unique_prefix("kvtier-roles")
+    yield prefix
+    delete_prefix(real_client, prefix)
+
+
+@pytest.fixture
+def engines():
+    made: list[Engine] = []
+
+    def make(model: str, kvtier: dict, tp: int = 1) -> Engine:
+        made.append(Engine(model, kvtier, tp))
+        return made[-1]
+
+    yield make
+    for engine in made:
+        engine.close()
+
+
+def test_the_scheduler_finds_what_the_worker_reported_saving(tiny_model, engines):
+    engine = engines(tiny_model, _host_only())
+    chain = _hashes(1, 4)
+    engine.serve(_request("a", chain), [0, 1, 2, 3, 4])
+    saved = engine.kv(0, [0, 1, 2, 3])
+
+    n, asynchronous = engine.serve(_request("b", chain), [8, 9, 10, 11, 12])
+    assert (n, asynchronous) == (4 * BLOCK, False)  # host hits load before the forward
+    for got, want in zip(engine.kv(0, [8, 9, 10, 11]), saved, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_vllms_own_hit_is_not_looked_up_again(tiny_model, engines):
+    engine = engines(tiny_model, _host_only())
+    chain = _hashes(1, 4)
+    engine.serve(_request("a", chain), [0, 1, 2, 3, 4])
+    n, _ = engine.admit(_request("b", chain, computed=3 * BLOCK), [0, 1, 2, 5, 6])
+    assert n == BLOCK
+
+
+def test_a_spill_hit_loads_asynchronously_and_is_reported_finished(tiny_model, engines, tmp_path):
+    writer = engines(tiny_model, _disk(tmp_path))
+    chain = _hashes(2, 4)
+    writer.serve(_request("w", chain), [0, 1, 2, 3, 4])
+    saved = writer.kv(0, [0, 1, 2, 3])
+    writer.close()
+
+    reader = engines(tiny_model, _disk(tmp_path))  # a restart: empty host pool
+    n, asynchronous = reader.admit(_request("r", chain), [5, 6, 7, 8, 9])
+    assert (n, asynchronous) == (4 * BLOCK, True)
+    assert reader.load() == ({"r"}, set())
+    for got, want in zip(reader.kv(0, [5, 6, 7, 8]), saved, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_a_prefix_evicted_while_its_spill_write_is_queued_is_still_a_hit(
+    tiny_model, engines, tmp_path, monkeypatch
+):
+    landed = threading.Event()
+    put_many = LMDBTier.put_many
+
+    def slow_put_many(self, *args, **kwargs):
+        landed.wait(30)
+        return put_many(self, *args, **kwargs)
+
+    monkeypatch.setattr(LMDBTier, "put_many", slow_put_many)
+    engine = engines(tiny_model, _disk(tmp_path, host="64KiB"))  # 4 blocks
+    try:
+        # The encoder thread encodes write-through chunks from pinned host slots: let it
+        # finish after each request, so that its pins neither keep "a" in the host pool
+        # nor leave the load without staging slots.
+        encoder = engine.workers[0].cache.spill._encoder
+        chain = _hashes(9, 4)
+        engine.serve(_request("a", chain), [0, 1, 2, 3, 4])
+        saved = engine.kv(0, [0, 1, 2, 3])
+        encoder.submit(lambda: None).result()
+        engine.serve(_request("other", _hashes(10, 4)), [5, 6, 7, 8, 9])  # evicts "a"
+        encoder.submit(lambda: None).result()
+        engine.step({})  # the report of what "other" queued reaches the index
+
+        n, asynchronous = engine.admit(_request("b", chain), [10, 11, 12, 13, 14])
+        assert (n, asynchronous) == (4 * BLOCK, True)  # from the worker's write queue
+        assert engine.load() == ({"b"}, set())
+        for got, want in zip(engine.kv(0, [10, 11, 12, 13]), saved, strict=True):
+            assert torch.equal(got, want)
+    finally:
+        landed.set()
+
+
+def test_a_request_whose_load_failed_is_not_offered_another(
+    tiny_model, engines, tmp_path, monkeypatch
+):
+    writer = engines(tiny_model, _disk(tmp_path))
+    chain = _hashes(11, 4)
+    writer.serve(_request("w", chain), [0, 1, 2, 3, 4])
+    writer.close()
+    reader = engines(tiny_model, _disk(tmp_path))
+    request = _request("r", chain)
+    assert reader.admit(request, [5, 6, 7, 8, 9]) == (4 * BLOCK, True)
+    monkeypatch.setattr(LMDBTier, "get_many", _raise)  # reads fail; sizes still answer
+    assert reader.load() == ({"r"}, {5, 6, 7, 8})
+
+    request.num_computed_tokens = 0  # vLLM takes the request back to its valid prefix
+    assert reader.scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+
+
+def test_blocks_evicted_since_the_last_report_are_load_errors(tiny_model, engines):
+    engine = engines(tiny_model, _host_only())
+    chain = _hashes(3, 2)
+    engine.serve(_request("a", chain), [0, 1, 2])
+    n, _ = engine.admit(_request("b", chain), [3, 4, 5])
+    assert n == 2 * BLOCK
+    engine.workers[0].cache.reset()  # gone from the host pool before the load starts
+    _, errors = engine.step({"b": 1})
+    assert errors == {3, 4}
+
+
+def test_shards_store_under_keys_of_their_own(tiny_model, engines, tmp_path):
+    one = engines(tiny_model, _host_only())
+    two = engines(tiny_model, _host_only(), tp=2)
+    base = one.scheduler.index.keys(_hashes(4, 1))
+    keys = {w.cache.shard: w.cache.keys(base)[0] for engine in (one, two) for w in engine.workers}
+    assert set(keys) == {"tp0/1 pp0/1", "tp0/2 pp0/1", "tp1/2 pp0/1"}
+    assert len(set(keys.values())) == 3
+
+
+def test_a_hit_counts_only_the_blocks_every_shard_can_load(tiny_model, engines, redis_prefix):
+    writer = engines(tiny_model, _redis(redis_prefix), tp=2)
+    chain = _hashes(5, 4)
+    writer.serve(_request("w", chain), [0, 1, 2, 3, 4])
+    saved = [writer.kv(rank, [0, 1]) for rank in (0, 1)]
+    for w in writer.workers:
+        w.cache.flush()
+    rank1 = writer.workers[1].cache  # loses its value of the second chunk (blocks 2-3)
+    rank1.spill.tiers[0].delete_many(rank1.keys(writer.scheduler.index.keys(chain[3:])))
+    writer.close()
+
+    reader = engines(tiny_model, _redis(redis_prefix), tp=2)  # a restart
+    n, asynchronous = reader.admit(_request("r", chain), [5, 6, 7, 8, 9])
+    assert (n, asynchronous) == (2 * BLOCK, True)  # the chunk both ranks hold
+    assert reader.load() == ({"r"}, set())
+    for rank in (0, 1):
+        for got, want in zip(reader.kv(rank, [5, 6]), saved[rank], strict=True):
+            assert torch.equal(got, want)
+
+
+def test_reset_cache_leaves_nothing_stored_before_it_to_be_found(tiny_model, engines, tmp_path):
+    engine = engines(tiny_model, _disk(tmp_path))
+    chain = _hashes(6, 2)
+    engine.serve(_request("old", chain), [0, 1, 2])
+    assert engine.admit(_request("probe", chain), [3, 4, 5])[0] == 2 * BLOCK
+    engine.step({})
+
+    assert engine.scheduler.reset_cache()
+    engine.step({})  # the workers drop their host pools
+    assert engine.admit(_request("after", chain), [6, 7, 8])[0] == 0
+    assert len(engine.workers[0].cache.host.lookup(engine.workers[0].cache.keys(
+        engine.scheduler.index.keys(chain)))) == 0  # fmt: skip
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def _raise(*args: object, **kwargs: object) -> None:
+    raise Boom("injected")
+
+
+@pytest.mark.parametrize(
+    ("target", "method"),
+    [
+        (ConnectorIndex, "lookup"),
+        (ConnectorIndex, "keys"),
+        (ConnectorIndex, "apply"),
+        (ConnectorCache, "pin"),
+        (ConnectorCache, "load"),
+        (ConnectorCache, "save"),
+        (ConnectorCache, "finished_loads"),
+        (ConnectorCache, "take_report"),
+    ],
+)
+def test_a_failure_in_any_hook_is_a_miss_or_a_load_error_never_an_exception(
+    tiny_model, engines, tmp_path, monkeypatch, target, method
+):
+    writer = engines(tiny_model, _disk(tmp_path))
+    chain = _hashes(7, 4)
+    writer.serve(_request("w", chain), [0, 1, 2, 3, 4])
+    saved = writer.kv(0, [0, 1, 2, 3])
+    writer.close()
+    engine = engines(tiny_model, _disk(tmp_path))  # the hit is on disk: an async load
+    monkeypatch.setattr(target, method, _raise)
+
+    n, asynchronous = engine.admit(_request("r", chain), [5, 6, 7, 8, 9])
+    done, errors = engine.load()
+    if asynchronous:
+        assert done == {"r"}  # an async load always ends
+    assert len(errors) <= n // BLOCK  # only promised blocks can fail
+    loaded = n // BLOCK - len(errors)
+    for got, want in zip(engine.kv(0, [5, 6, 7, 8][:loaded]), saved, strict=True):
+        assert torch.equal(got, want[:loaded])
+    engine.serve(_request("next", _hashes(8, 2)), [10, 11, 12])  # and it goes on serving
+    assert sum(engine.scheduler.faults.values()) + sum(engine.workers[0].faults.values()) > 0
+
+
+def test_vllm_failing_requests_on_a_load_error_is_warned_about(
+    tiny_model: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("WARNING", logger="kvtier.integrations.vllm"):
+        KVTierConnector(
+            _vllm_config(tiny_model, _host_only()), KVConnectorRole.SCHEDULER, None
+        ).shutdown()
+        assert "kv_load_failure_policy" not in caplog.text
+        KVTierConnector(
+            _vllm_config(tiny_model, _host_only(), on_load_failure="fail"),
+            KVConnectorRole.SCHEDULER,
+            None,
+        ).shutdown()
+    assert "kv_load_failure_policy is 'fail'" in caplog.text

@@ -1,0 +1,175 @@
+"""kvtier in vLLM's OpenAI-compatible server, run the way the README tells a user to.
+
+Each server is ``python -m vllm.entrypoints.openai.api_server`` with vLLM's defaults
+(engine core and workers in processes of their own) and ``configs/vllm.yaml`` as
+shipped, its paths and Redis prefix moved into the test's own space through the
+environment variables the file reads. A plain HTTP client sends token-id prompts and
+reads vLLM's own counters of cached prompt tokens by source from ``/metrics``.
+
+Two flags are the machine's, not kvtier's: ``--gpu-memory-utilization 0.3`` (on CPU
+vLLM reserves that share of the NUMA node's memory, 0.92 by default, which a shared
+machine does not have free) and ``--num-gpu-blocks-override`` (vLLM's own KV pool kept
+as small relative to the traffic as a GPU's is under load, so that a shared prefix
+leaves it and comes back from kvtier).
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import VOCAB
+from redis_servers import delete_prefix, unique_prefix
+
+from kvtier.tiers.lmdb import LMDBTier
+
+vllm_server = pytest.importorskip("kvtier.integrations.vllm_server")
+VLLMServer = vllm_server.VLLMServer
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]  # servers start in ~1 min each
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "configs" / "vllm.yaml"
+MACHINE = ["--gpu-memory-utilization", "0.3", "--num-gpu-blocks-override", "40"]
+TP2 = ["--tensor-parallel-size", "2"]
+TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank on a 2-core machine
+BLOCK = 128  # vLLM's default block size on CPU
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+
+PREFIX = _tokens(2048, seed=1)  # 16 blocks shared by the questions
+QUESTIONS = [PREFIX + _tokens(64, seed=10 + i) for i in range(3)]
+# Other traffic between the questions: enough to push PREFIX out of vLLM's 40 blocks.
+FILLERS = [_tokens(2112, seed=20 + i) for i in range(3)]
+
+
+def _serve(server: VLLMServer, prompt: list[int]) -> tuple[list[int], dict[str, int]]:
+    """The reply's tokens, and the prompt tokens each source supplied for it."""
+    before = server.cached_tokens()
+    tokens = server.complete(prompt).tokens
+    after = server.cached_tokens()
+    return tokens, {s: after[s] - before[s] for s in after if after[s] > before[s]}
+
+
+def _chat(server: VLLMServer, question: list[int]) -> tuple[list[int], dict[str, int]]:
+    """Other traffic, then ``question``: its reply and where its prefix came from."""
+    for filler in FILLERS:
+        server.complete(filler, max_tokens=1)
+    return _serve(server, question)
+
+
+class Space:
+    """Where one kvtier instance keeps its data: a disk directory and a Redis prefix."""
+
+    def __init__(self, root: Path) -> None:
+        self.disk = root / "cache"
+        self.redis_prefix = unique_prefix("kvtier-vllm-e2e")
+
+    def env(self) -> dict[str, str]:
+        return {
+            "KVTIER_CACHE_DIR": str(self.disk),
+            "KVTIER_CPU_CAPACITY": "64MiB",
+            "KVTIER_REDIS_PREFIX": self.redis_prefix,
+        }
+
+    def server(self, model: str, args: list[str], env: dict | None = None, **kw) -> VLLMServer:
+        log = self.disk.parent / f"vllm-{len(list(self.disk.parent.glob('vllm-*.log')))}.log"
+        return VLLMServer(model, CONFIG, MACHINE + args, {**self.env(), **(env or {})}, log, **kw)
+
+
+@pytest.fixture(scope="module")
+def space(tmp_path_factory, real_client) -> Iterator[Space]:
+    s = Space(tmp_path_factory.mktemp("vllm-server"))
+    yield s
+    delete_prefix(real_client, s.redis_prefix)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model, tmp_path_factory) -> list[list[int]]:
+    """Each question's reply from a server without kvtier."""
+    log = tmp_path_factory.mktemp("vllm-reference") / "vllm.log"
+    with VLLMServer(tiny_model, None, MACHINE, log_path=log) as server:
+        return [server.complete(q).tokens for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def first_run(tiny_model, space, reference):
+    """A kvtier server that answers question 0, then question 1 after other traffic."""
+    with space.server(tiny_model, []) as server:
+        first = _serve(server, QUESTIONS[0])
+        second = _chat(server, QUESTIONS[1])
+    return first, second
+
+
+def test_a_shared_prefix_evicted_from_vllm_comes_back_from_kvtiers_host_pool(first_run, reference):
+    (first, first_sources), (second, second_sources) = first_run
+    assert first_sources == {}  # nothing cached yet
+    assert second_sources.get("host", 0) >= 8 * BLOCK  # most of the 16 prefix blocks
+    assert second_sources.get("host", 0) + second_sources.get("device", 0) == len(PREFIX)
+    assert [first, second] == reference[:2]
+
+
+def test_after_a_restart_the_prefix_is_a_disk_hit(tiny_model, space, first_run, reference):
+    with space.server(tiny_model, []) as server:
+        tokens, sources = _serve(server, QUESTIONS[2])
+    assert sources == {"disk": len(PREFIX)}
+    assert tokens == reference[2]
+
+
+def test_tensor_parallel_2_hits_host_and_disk_and_replies_as_without_kvtier(
+    tiny_model, tmp_path_factory, real_client
+):
+    space = Space(tmp_path_factory.mktemp("vllm-tp2"))
+    try:
+        log = space.disk.parent / "reference.log"
+        with VLLMServer(tiny_model, None, MACHINE + TP2, TP2_ENV, log) as server:
+            reference = [server.complete(q).tokens for q in QUESTIONS]
+        with space.server(tiny_model, TP2, TP2_ENV) as server:
+            first, _ = _serve(server, QUESTIONS[0])
+            second, host = _chat(server, QUESTIONS[1])
+        with space.server(tiny_model, TP2, TP2_ENV) as server:
+            third, disk = _serve(server, QUESTIONS[2])
+    finally:
+        delete_prefix(real_client, space.redis_prefix)
+    assert host.get("host", 0) >= 8 * BLOCK
+    assert disk == {"disk": len(PREFIX)}
+    assert [first, second, third] == reference
+
+
+def test_the_engine_serves_every_request_while_kvtier_fails_in_every_hook(
+    tiny_model, space, first_run, reference
+):
+    """Every other call of each step of kvtier's (lookup, index update, pin, load,
+    save, settle, report) raises, and every value on disk is corrupt."""
+    broken = space.disk.parent / "broken"
+    shutil.copytree(space.disk, broken / "cache")
+    store = broken / "cache" / "vllm-lmdb"
+    tier = LMDBTier(store, 64 << 20, 4)
+    try:
+        values: dict[bytes, bytes] = {}
+        keys = list(tier.keys())
+        tier.get_many(keys, lambda i, v: values.__setitem__(keys[i], bytes(v)))
+        tier.put_many([(k, v[:-1] + bytes([v[-1] ^ 0xFF])) for k, v in values.items()])
+    finally:
+        tier.close()
+    env = {
+        **space.env(),
+        "KVTIER_CACHE_DIR": str(broken / "cache"),
+        "KVTIER_REDIS_URL": "redis://127.0.0.1:1/0",  # nothing listens there
+        "PYTHONPATH": str(Path(__file__).parent),
+    }
+    kv_transfer = vllm_server.kv_transfer_config(CONFIG, module="faulty_connector")
+    args = MACHINE + ["--kv-transfer-config", kv_transfer]
+    with VLLMServer(tiny_model, None, args, env, broken / "vllm.log") as server:
+        replies = [_chat(server, q)[0] for q in QUESTIONS]
+        again = server.complete(QUESTIONS[0]).tokens
+    assert replies == reference
+    assert again == reference[0]
+    assert "kvtier: " in (broken / "vllm.log").read_text()  # each hook's first failure
