@@ -21,7 +21,7 @@ from kvtier.chunk import ChunkCodec
 from kvtier.config import SPILL_TIERS, ConfigError, KVTierConfig, default_config, load_config
 from kvtier.plot import PlotUnavailable, plot_replay, pyplot
 from kvtier.progress import progress
-from kvtier.replay import read_trace, replay
+from kvtier.replay import optimal_hits, read_trace, replay
 from kvtier.tiers.base import TierError
 from kvtier.workloads import ChatShape
 
@@ -79,8 +79,20 @@ def _size(nbytes: int) -> str:
     raise AssertionError("unreachable")
 
 
+def capacity_blocks(cache: TieredCache) -> int:
+    """Blocks the cache's tiers hold together: GPU pool, host pool and disk tier (its
+    capacity in blocks, ignoring chunk headers). Redis is not counted."""
+    disk = cache.config.tiers.disk
+    return (
+        cache.gpu.num_blocks
+        + (cache.host.num_blocks if cache.host else 0)
+        + (disk.capacity // cache.layout.block_nbytes if disk else 0)
+    )
+
+
 def replay_trace(args: argparse.Namespace) -> int:
-    """Replay a request trace through the configured tiers; print hit rates and latencies."""
+    """Replay a request trace through the configured tiers; print hit rates and latencies,
+    and the hit rate of the offline optimum of the same total capacity."""
     config = load_config(args.config)
     if args.plot:
         pyplot()  # before the replay: a missing matplotlib should not cost a whole run
@@ -91,6 +103,9 @@ def replay_trace(args: argparse.Namespace) -> int:
     with _open_cache(config, args) as cache:
         result = replay(cache, requests, lambda r: progress(r, desc="replaying"))
         stats = cache.stats()
+        capacity = capacity_blocks(cache)
+    served = [requests[i] for i in result.served]
+    optimum = optimal_hits(served, capacity, cache.block_size) / max(result.prompt_blocks, 1)
     bs = config.layout.block_size if config.layout else 0
     print(
         f"replayed {result.requests} requests ({result.skipped} skipped: GPU pool full), "
@@ -107,6 +122,7 @@ def replay_trace(args: argparse.Namespace) -> int:
         f" total {sum(result.hit_blocks.values()):>11} {result.hit_rate:>9.1%}   "
         f"ceiling (unbounded cache) {result.ceiling:.1%}"
     )
+    print(f"offline optimum (Belady, one cache of {capacity} blocks) {optimum:.1%}")
     for name, h in (("lookup", stats.lookup_latency), ("prefetch", stats.prefetch_latency)):
         if h.count:
             p50, p90, p99 = (h.percentile(q) * 1e3 for q in (50, 90, 99))
@@ -121,6 +137,8 @@ def replay_trace(args: argparse.Namespace) -> int:
                     "hit_blocks": result.hit_blocks,
                     "hit_rate": result.hit_rate,
                     "ceiling": result.ceiling,
+                    "optimum": optimum,
+                    "capacity_blocks": capacity,
                     "samples": [asdict(s) for s in result.samples],
                     "stats": asdict(stats),
                 },

@@ -17,8 +17,9 @@ prefetch, per-tier batches) cover the replay.
 
 from __future__ import annotations
 
+import heapq
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,25 +88,72 @@ def ceiling_hits(requests: Iterable[TraceRequest], block_size: int) -> list[int]
     """Per request, the cache blocks an unbounded cache would hit (kvtier's rules)."""
     if TRACE_BLOCK % block_size:
         raise ValueError(f"block_size {block_size} must divide {TRACE_BLOCK}")
-    per_trace_block = TRACE_BLOCK // block_size
     committed: dict[int, int] = {}  # trace block id -> full cache blocks ever committed
     out = []
     for req in requests:
-        cap = (req.input_length - 1) // block_size
-        hit = 0
-        for h in req.hash_ids:
-            have = committed.get(h, 0)
-            hit += have
-            if have < per_trace_block:
-                break
-        out.append(min(hit, cap))
-        full = req.input_length // block_size
-        for t, h in enumerate(req.hash_ids):
-            n = min(per_trace_block, full - t * per_trace_block)
-            if n <= 0:
-                break
+        out.append(_hit(committed, req, block_size))
+        for _, h, n in _full_blocks(req, block_size):
             committed[h] = max(committed.get(h, 0), n)
     return out
+
+
+def _hit(committed: dict[int, int], req: TraceRequest, block_size: int) -> int:
+    """Cache blocks ``req`` hits when ``committed`` gives the full cache blocks held of
+    each trace block: the leading ones, never the block of its last token."""
+    hit = 0
+    for h in req.hash_ids:
+        have = committed.get(h, 0)
+        hit += have
+        if have < TRACE_BLOCK // block_size:
+            break
+    return min(hit, (req.input_length - 1) // block_size)
+
+
+def _full_blocks(req: TraceRequest, block_size: int) -> Iterator[tuple[int, int, int]]:
+    """(position, trace block id, full cache blocks) of each trace block ``req`` commits."""
+    per_trace_block = TRACE_BLOCK // block_size
+    full = req.input_length // block_size
+    for t, h in enumerate(req.hash_ids):
+        n = min(per_trace_block, full - t * per_trace_block)
+        if n <= 0:
+            break
+        yield t, h, n
+
+
+def optimal_hits(requests: list[TraceRequest], capacity: int, block_size: int) -> int:
+    """Cache blocks hit by the offline optimum: one cache of ``capacity`` cache blocks
+    that, when full, evicts the trace block whose next use is farthest (Belady).
+
+    It works in whole trace blocks (``TRACE_BLOCK // block_size`` cache blocks each)
+    and counts hits as ``ceiling_hits`` does; with unbounded capacity it equals the
+    ceiling. Every request's blocks are cached after it is served; the optimum may
+    evict them at once (that is, not admit them).
+    """
+    per_trace_block = TRACE_BLOCK // block_size
+    slots = capacity // per_trace_block
+    never = len(requests)
+    next_use: list[list[int]] = [[] for _ in requests]
+    seen: dict[int, int] = {}
+    for i in range(len(requests) - 1, -1, -1):
+        ids = requests[i].hash_ids
+        next_use[i] = [seen.get(h, never) for h in ids]
+        for h in ids:
+            seen[h] = i
+    committed: dict[int, int] = {}  # cached trace block -> full cache blocks it holds
+    due: dict[int, int] = {}  # cached trace block -> its next use
+    farthest: list[tuple[int, int]] = []  # (-next use, trace block), stale entries skipped
+    hits = 0
+    for i, req in enumerate(requests):
+        hits += _hit(committed, req, block_size)
+        for t, h, n in _full_blocks(req, block_size):
+            committed[h] = max(committed.get(h, 0), n)
+            due[h] = next_use[i][t]
+            heapq.heappush(farthest, (-due[h], h))
+        while len(due) > slots:
+            neg, h = heapq.heappop(farthest)
+            if due.get(h) == -neg:
+                del due[h], committed[h]
+    return hits
 
 
 @dataclass(frozen=True)
@@ -141,6 +189,7 @@ class ReplayResult:
     hit_blocks: dict[str, int] = field(default_factory=dict)  # per tier
     ceiling_blocks: int = 0
     skipped: int = 0  # requests the GPU pool could not hold
+    served: list[int] = field(default_factory=list)  # indices of the served requests
     samples: list[ReplaySample] = field(default_factory=list)  # per served request
 
     @property
@@ -213,6 +262,7 @@ def replay(
             result.hit_blocks[tier] = result.hit_blocks.get(tier, 0) + hit_blocks[tier]
         sample = ReplaySample(req.timestamp_ms, req.input_length // bs, hit_blocks, ceiling[i])
         result.samples.append(sample)
+        result.served.append(i)
         result.requests += 1
         result.prompt_blocks += sample.prompt_blocks
         result.ceiling_blocks += sample.ceiling_blocks

@@ -1,3 +1,4 @@
+import random
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ from kvtier.replay import (
     ReplaySample,
     TraceRequest,
     ceiling_hits,
+    optimal_hits,
     read_trace,
     replay,
 )
@@ -91,3 +93,45 @@ def test_a_replay_records_one_sample_per_request_adding_up_to_its_totals():
     assert sum(s.ceiling_blocks for s in result.samples) == result.ceiling_blocks > 0
     for tier, n in result.hit_blocks.items():
         assert sum(s.hit_blocks[tier] for s in result.samples) == n
+
+
+def test_the_optimum_of_an_unbounded_cache_is_the_ceiling():
+    requests = [TraceRequest(i, 1000, (1, 2 + i % 3)) for i in range(12)]
+    assert optimal_hits(requests, 10**6, 16) == sum(ceiling_hits(requests, 16))
+
+
+def test_the_optimum_keeps_the_block_used_again_soonest():
+    # Room for one trace block: after request 0 it keeps 1 (used next), not 2 or 3.
+    requests = [
+        TraceRequest(0, 1536, (1, 2, 3)),
+        TraceRequest(1, 1024, (1, 4)),
+        TraceRequest(2, 1024, (2, 5)),
+    ]
+    assert optimal_hits(requests, 512 // 16, 16) == 512 // 16
+
+
+def small_cache(gpu_blocks: int, host_blocks: int) -> TieredCache:
+    """GPU and host pools of the given sizes in 512-token blocks (one trace block each)."""
+    layout = {"num_layers": 1, "kv_factor": 1, "block_size": 512, "num_kv_heads": 1}
+    layout |= {"head_dim": 1, "dtype": "uint8"}
+    tiers = {
+        "gpu": {"num_blocks": gpu_blocks, "device": "cpu"},
+        "cpu": {"capacity": host_blocks * 512},
+    }
+    return TieredCache(parse_config({"layout": layout, "tiers": tiers}))
+
+
+def test_the_optimum_is_at_least_the_replayed_hit_rate_at_the_same_capacity():
+    rng = random.Random(7)
+    requests = []
+    for i in range(200):  # shared roots, chains continued or left
+        root = rng.choice((0, 0, 1, 2, 3))
+        ids = [root] + [
+            1000 * root + rng.randrange(6) * 100 + d for d in range(rng.randrange(1, 6))
+        ]
+        requests.append(TraceRequest(i, len(ids) * 512, tuple(ids)))
+    with small_cache(gpu_blocks=8, host_blocks=12) as cache:
+        result = replay(cache, requests)
+        capacity = cache.gpu.num_blocks + cache.host.num_blocks
+    served = [requests[i] for i in result.served]
+    assert sum(result.hit_blocks.values()) <= optimal_hits(served, capacity, 512)
