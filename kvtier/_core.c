@@ -1307,7 +1307,8 @@ PyDoc_STRVAR(walk_back_doc,
 "walk_back(last, count) -> (list[int], bytes | None)\n\n"
 "The blocks of the ``count`` chain positions ending at hash ``last``, oldest first,\n"
 "following parent hashes: ``(blocks, None)`` when all are held here, else\n"
-"``([], missing)`` with the first hash (walking back) that is not.");
+"``([], missing)`` with the first hash (walking back) that is not (always so when\n"
+"``count`` exceeds the table's blocks: a chain visits each block once).");
 
 static PyObject *
 BlockTable_walk_back(BlockTable *self, PyObject *const *args, Py_ssize_t nargs)
@@ -1324,8 +1325,8 @@ BlockTable_walk_back(BlockTable *self, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t count = PyLong_AsSsize_t(args[1]);
     if (count == -1 && PyErr_Occurred())
         return NULL;
-    if (count < 0 || count > self->n) {
-        PyErr_Format(PyExc_ValueError, "count must be in [0, %zd], got %zd", self->n, count);
+    if (count < 0) {
+        PyErr_Format(PyExc_ValueError, "count must be >= 0, got %zd", count);
         return NULL;
     }
     int64_t *out = PyMem_Malloc(sizeof(int64_t) * (count ? count : 1));

@@ -156,6 +156,11 @@ def test_walk_back_follows_parents_or_names_the_missing_hash() -> None:
     assert t.walk_back(key(7), 1) == ([], key(7))
 
 
+def test_walk_back_further_than_the_table_has_blocks_names_the_missing_hash() -> None:
+    t = published(3, [0, 1, 2])  # a chunk longer than a whole (host) pool
+    assert t.walk_back(key(2), 5) == ([], key(999))
+
+
 def test_holds_and_num_queued() -> None:
     t = published(4, [0, 1])
     assert t.holds([0, 1], [key(0), key(1)]) and not t.holds([1], [key(0)])
