@@ -477,7 +477,7 @@ class TieredCache:
         runs = hit.spill
         spill_slots: list[int] = []
         if runs:  # staging slots for the spill part: as many as the host pool can give
-            spill_slots, runs = self.below.stage(runs)
+            spill_slots, runs = self.below.stage(runs, held)
             if self.spill is not None:
                 self.spill.count_unstaged(hit.spill, runs)
         p = _Prefetch(first, blocks, list(hit.host_slots), spill_slots, runs)

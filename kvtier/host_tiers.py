@@ -22,7 +22,7 @@ from kvtier.config import ConfigError, KVTierConfig
 from kvtier.host_pool import HostPool
 from kvtier.layout import KVLayout
 from kvtier.metrics import TierStats
-from kvtier.spill import SpillManager, SpillRun, truncate_runs
+from kvtier.spill import HeldWrite, SpillManager, SpillRun, truncate_runs
 from kvtier.tiers import open_spill_tiers
 from kvtier.tiers.base import SpillTier
 from kvtier.transfer import TransferEngine
@@ -77,10 +77,17 @@ class HostTiers:
         (one error each: it stays visible)."""
         return {"cpu": TierStats(), **{name: TierStats(errors=1) for name in self.failed}}
 
-    def stage(self, runs: Sequence[SpillRun]) -> tuple[list[int], tuple[SpillRun, ...]]:
-        """Host slots to read ``runs`` into, as many as are free now (pinned), and the
-        runs cut to them."""
-        n = min(sum(run.num_blocks for run in runs), self.host.num_free)
+    def stage(
+        self, runs: Sequence[SpillRun], held: list[HeldWrite] | None = None
+    ) -> tuple[list[int], tuple[SpillRun, ...]]:
+        """Host slots to read ``runs`` into, as many as are free (pinned), and the runs
+        cut to them. Where too few are free, the write-through encodes among ``held``
+        (writes the caller holds back) run first: they pin slots only until they have
+        read them, and a load the lookup promised comes before that deferral."""
+        needed = sum(run.num_blocks for run in runs)
+        if held and needed > self.host.num_free:
+            self.spill.encode_held(held)
+        n = min(needed, self.host.num_free)
         return self.host.allocate(n), truncate_runs(runs, n)
 
     def publish_loaded(

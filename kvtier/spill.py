@@ -537,6 +537,23 @@ class SpillManager:
         finally:
             self._held = None
 
+    def encode_held(self, held: list[HeldWrite]) -> None:
+        """Run the write-through encodes held in ``held`` now, on the caller's thread (it
+        holds the host pool's lock), so that their slots are unpinned at once: a load
+        needs them to stage into. Their writes stay held."""
+        jobs, held[:] = held[:], []
+        for tier, pool, job in jobs:
+            if pool is not self._encoder:
+                held.append((tier, pool, job))
+                continue
+            _, chunks, slots, nbytes = job.args  # ``_encode_later``'s job
+            try:
+                items = self._encode_pinned(tier, chunks, slots, nbytes)
+            except Exception as e:  # a lost write-through, never the caller's error
+                self._count_error(tier.name, e)
+                continue
+            held.append((tier, self._writers, partial(self._put, tier, items, nbytes, True)))
+
     def start_writes(self, held: list[HeldWrite]) -> None:
         """Queue writes that ``holding_writes`` held back (any thread)."""
         while held:
@@ -618,8 +635,16 @@ class SpillManager:
     def _encode_then_write(
         self, tier: SpillTier, chunks: list[Chunk], slots: list[int], nbytes: int
     ) -> None:
-        """On the encoder thread: encode the pinned chunks, make them visible in flight,
-        unpin their slots, and queue their write (chunks just completed: ``fresh``)."""
+        """On the encoder thread: ``_encode_pinned``, then queue the write (chunks just
+        completed: ``fresh``)."""
+        items = self._encode_pinned(tier, chunks, slots, nbytes)
+        self._background(tier, self._writers, partial(self._put, tier, items, nbytes, fresh=True))
+
+    def _encode_pinned(
+        self, tier: SpillTier, chunks: list[Chunk], slots: list[int], nbytes: int
+    ) -> list[tuple[bytes, memoryview, int]]:
+        """Encode the chunks whose ``slots`` ``_encode_later`` pinned, make them visible in
+        flight, and unpin the slots; the items to write. A failure gives back ``nbytes``."""
         try:
             values = self.codec.encode_many(self._rows, chunks)
             items = [(key, v, len(s)) for (key, _, s), v in zip(chunks, values)]
@@ -631,7 +656,7 @@ class SpillManager:
         finally:
             with self._host_lock:
                 self.host.free(slots)
-        self._background(tier, self._writers, partial(self._put, tier, items, nbytes, fresh=True))
+        return items
 
     def _reserve_chunks(self, tier: SpillTier, chunks: list[Chunk]) -> int:
         """``_reserve`` the bytes of ``chunks``' values; 0 when there are none or no room."""
