@@ -218,12 +218,15 @@ def write_json(
     benchmark_name: str,
     results: Sequence[Result],
     machine: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> None:
-    """Write ``{"benchmark", "machine", "results"}`` to ``path`` (parents created)."""
+    """Write ``{"benchmark", "machine", "results"}`` to ``path`` (parents created), and
+    the keys of ``extra`` (a benchmark's details beyond its rows, e.g. a breakdown)."""
     doc = {
         "benchmark": benchmark_name,
         "machine": machine if machine is not None else machine_info(),
         "results": [r.to_dict() for r in results],
+        **(extra or {}),
     }
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

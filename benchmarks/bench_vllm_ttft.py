@@ -1,5 +1,5 @@
 """Time to first token in vLLM's server of a long shared-prefix prompt: recompute vs a
-kvtier hit from each tier.
+kvtier hit from each tier, each spill tier against its physical limit.
 
 Every server is vLLM's OpenAI-compatible server as users run it
 (``kvtier.integrations.vllm_server``: engine core and worker in processes of their
@@ -11,8 +11,7 @@ streamed token, ms. vLLM's own KV pool holds one prompt, and an unrelated prompt
 fills it runs before each timed one, so the prefix is never in vLLM's own cache.
 
 - ``recompute``: vLLM without the connector and without its prefix cache: the whole
-  prompt is computed. The ceiling the other cases are compared with
-  (ratio = TTFT with kvtier / TTFT recomputing).
+  prompt is computed.
 - ``host hit``: a host pool that holds the prefix.
 - ``disk hit, steady state``: a host pool of one prompt over a write-through disk
   tier: the unrelated prompt pushes the prefix out of host memory, so it comes from disk.
@@ -20,6 +19,17 @@ fills it runs before each timed one, so the prefix is never in vLLM's own cache.
 - ``redis hit``: as the steady disk case, through the real Redis at
   ``KVTIER_BENCH_REDIS`` (default redis://127.0.0.1:6379/0), under a key prefix of its
   own that is deleted afterwards; skipped when no server answers.
+
+The limit of a spill tier's hit is ``TTFT(host hit) + T(raw read)``: what the host hit
+costs, plus reading the prefix's bytes from the tier at its raw speed, measured in the
+same run right after each timed request (an lmdb read transaction of ``get`` with
+``buffers=True``, or one redis-py pipeline of ``GET``, of as many stored values of the
+same size as the hit read, each copied into a staging buffer). A spill hit's ratio is
+its TTFT over that limit (target: at most 1.25). Host hits are compared with the
+recompute.
+
+Where each hit's time goes is read off kvtier's trace (``metrics.trace_path``, see
+``kvtier.trace``): the breakdown table gives each phase's median, ms.
 
 Each timed request is checked with vLLM's own counters (``/metrics``): its prefix must
 have come from kvtier (90% of it at least), most of it from the tier the case names,
@@ -30,6 +40,7 @@ from __future__ import annotations
 
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -37,6 +48,9 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+import lmdb
+import numpy as np
+import redis
 import yaml
 from _report import Result, machine_info, print_table, standard_args, summarize, write_json
 
@@ -44,6 +58,7 @@ from kvtier.demo import DEMO_MODEL
 from kvtier.integrations.vllm_engine import save_model
 from kvtier.integrations.vllm_server import VLLMServer
 from kvtier.progress import progress
+from kvtier.trace import phases, read_trace
 
 BENCHMARK = "bench_vllm_ttft"
 QUESTION_TOKENS = 24
@@ -52,6 +67,7 @@ KV_PER_TOKEN = 8192  # the demo Llama's KV bytes per token in float32
 DTYPE = "float32"  # bf16 matmuls are several times slower on CPUs without AMX
 SOURCE = {"cpu": "host", "disk": "disk", "redis": "external_unspecified"}
 SETTLE_SECONDS = 0.5
+TARGET = 1.25  # a spill hit's TTFT over its limit
 
 
 def prompts(prefix_tokens: int, count: int, seed: int) -> list[list[int]]:
@@ -65,10 +81,63 @@ def prompts(prefix_tokens: int, count: int, seed: int) -> list[list[int]]:
     return [prefix + text(QUESTION_TOKENS) for _ in range(count)]
 
 
+class RawReader:
+    """Reads ``n`` stored values of a tier at its raw speed: lmdb or redis-py, no kvtier."""
+
+    def __init__(self, disk: Path | None = None, url: str | None = None, prefix: str = ""):
+        self._disk, self._url, self._prefix = disk, url, prefix
+
+    def seconds(self, n: int, repeats: int = 3) -> float:
+        """Seconds to read ``n`` stored values into a staging buffer: the fastest of
+        ``repeats`` reads (the first one maps the pages into this process), of the first
+        ``n`` values in the store's order (all of one size here: one vLLM block each)."""
+        if self._disk is not None:
+            with lmdb.open(str(self._disk), readonly=True, max_dbs=8) as env:
+                db = env.open_db(b"data", create=False)
+                with env.begin(db=db) as txn:
+                    keys = [k for k, _ in zip(txn.cursor().iternext(values=False), range(n))]
+
+                def read() -> None:
+                    with env.begin(db=db, buffers=True) as txn:
+                        _stage([txn.get(k) for k in keys])
+
+                return min(_timed(read) for _ in range(repeats))
+        client = redis.Redis.from_url(self._url)
+        keys = list(client.scan_iter(match=f"{self._prefix}*", count=1000))[:n]
+
+        def read() -> None:
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.get(key)
+            _stage(pipe.execute())
+
+        try:
+            return min(_timed(read) for _ in range(repeats))
+        finally:
+            client.close()
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _stage(values: list) -> None:
+    """Copy ``values`` into one staging buffer, as a load scatters them into host slots."""
+    views = [memoryview(v) for v in values]
+    buffer = np.empty(sum(v.nbytes for v in views), np.uint8)
+    offset = 0
+    for v in views:
+        buffer[offset : offset + v.nbytes] = np.frombuffer(v, np.uint8)
+        offset += v.nbytes
+
+
 class Bench:
-    """The model, the server flags and the prompts every case shares."""
+    """The model, the server flags and the prompts every case of one prompt size shares."""
 
     def __init__(self, n_tokens: int, repeats: int, work: Path) -> None:
+        self.n_tokens = n_tokens
         self.work = work
         self.model = save_model(work / "model", DEMO_MODEL, DTYPE)
         self.asked = prompts(n_tokens - QUESTION_TOKENS, repeats + 1, seed=0)
@@ -79,6 +148,7 @@ class Bench:
                      "--max-model-len", str(blocks * BLOCK),
                      "--num-gpu-blocks-override", str(blocks + 1)]  # fmt: skip
         self.prompt_bytes = blocks * BLOCK * KV_PER_TOKEN
+        self.trace = work / "trace.jsonl"
         self.expected: list[list[int]] = []
         self._logs = 0
 
@@ -86,125 +156,187 @@ class Bench:
         config = None
         if tiers is not None:
             config = self.work / "kvtier.yaml"
-            config.write_text(yaml.safe_dump({"tiers": tiers}))
+            doc = {"tiers": tiers, "metrics": {"trace_path": str(self.trace)}}
+            config.write_text(yaml.safe_dump(doc))
         self._logs += 1
         log = self.work / f"vllm-{self._logs}.log"
         return VLLMServer(self.model, config, [*self.args, *args], log_path=log)
 
-    def timed(self, server: VLLMServer, i: int, tier: str | None, case: str) -> float:
-        """TTFT (ms) of timed prompt ``i`` after the unrelated one, checked."""
+    def timed(
+        self, server: VLLMServer, i: int, tier: str | None, case: str, raw: RawReader | None
+    ) -> tuple[float, dict[str, float], float | None]:
+        """Timed prompt ``i`` after the unrelated one, checked: (TTFT, its phases, the
+        raw read of as many values as its hit read; seconds)."""
         server.complete(self.others[i], max_tokens=1)
         # Steady state: the spill writes the unrelated prompt's evictions caused have
         # landed (the scheduler finds what the tiers hold, not what is still queued).
         time.sleep(SETTLE_SECONDS)
         before = server.cached_tokens()
+        sent = time.time()
         reply = server.complete(self.asked[i], max_tokens=4)
         after = server.cached_tokens()
         if tier is None:
             self.expected.append(reply.tokens)
-        else:
-            got = {s: after[s] - before[s] for s in after}
-            prefix = len(self.asked[i]) - QUESTION_TOKENS
-            from_kvtier = sum(got[s] for s in SOURCE.values())
-            if from_kvtier < 0.9 * prefix or got[SOURCE[tier]] < 0.5 * prefix:
-                raise SystemExit(f"{case}: the prefix did not come from {tier}: {got}")
-            if reply.tokens != self.expected[i - 1]:
-                raise SystemExit(f"{case}: output {reply.tokens} != recompute's")
-        return reply.ttft * 1e3
+            return reply.ttft, {}, None
+        got = {s: after[s] - before[s] for s in after}
+        prefix = len(self.asked[i]) - QUESTION_TOKENS
+        from_kvtier = sum(got[s] for s in SOURCE.values())
+        if from_kvtier < 0.9 * prefix or got[SOURCE[tier]] < 0.5 * prefix:
+            raise SystemExit(f"{case}: the prefix did not come from {tier}: {got}")
+        if reply.tokens != self.expected[i - 1]:
+            raise SystemExit(f"{case}: output {reply.tokens} != recompute's")
+        events = self._events(sent, sent + reply.ttft)
+        blocks = max(sum(e["blocks"].values()) for e in events if e["event"] == "load")
+        raw_seconds = raw.seconds(blocks) if raw is not None else None
+        return reply.ttft, phases(events, sent, sent + reply.ttft), raw_seconds
+
+    def _events(self, start: float, end: float) -> list[dict]:
+        """The trace events of the request the client sent at ``start``."""
+        window = [e for e in read_trace(self.trace) if start <= e["t"] <= end]
+        req = next(e["req"] for e in window if e["event"] == "lookup")
+        return [e for e in window if e["req"] == req]
 
 
-def main() -> int:
-    parser = standard_args(__doc__.split("\n")[0])
-    parser.add_argument("--prompt-tokens", type=int, help="default 4096 (2048 with --quick)")
-    parser.add_argument("--repeats", type=int, help="timed prompts per case (default 3; 1 quick)")
-    parser.add_argument(
-        "--only", nargs="+", metavar="TIER", choices=("host", "disk", "redis"),
-        help="run only these cases (and the recompute they are compared with)",
-    )  # fmt: skip
-    args = parser.parse_args()
-    n_tokens = args.prompt_tokens or (2048 if args.quick else 4096)
-    repeats = args.repeats or (1 if args.quick else 3)
+def run_size(
+    n_tokens: int, repeats: int, only: list[str] | None, redis_url: str | None
+) -> tuple[list[Result], dict[str, dict[str, float]]]:
+    """Every case at one prompt size: the result rows and each case's median phases."""
     bench = Bench(n_tokens, repeats, Path(tempfile.mkdtemp(prefix="kvtier-bench-vllm-")))
     host = f"{2 * bench.prompt_bytes >> 20}MiB"
     one_prompt = f"{bench.prompt_bytes >> 20}MiB"
     # One block per value: a vLLM block of the demo Llama is 1 MiB already.
-    disk = {"path": str(bench.work / "lmdb"), "capacity": "1GiB", "chunk_blocks": 1,
+    disk_path = bench.work / "lmdb"
+    disk = {"path": str(disk_path), "capacity": "1GiB", "chunk_blocks": 1,
             "write_policy": "write_through"}  # fmt: skip
-    redis_url = os.environ.get("KVTIER_BENCH_REDIS", "redis://127.0.0.1:6379/0")
     key_prefix = f"kvtier-bench-{uuid.uuid4().hex[:8]}"
-    redis = {"url": redis_url, "key_prefix": key_prefix, "chunk_blocks": 1, "required": True,
-             "write_policy": "write_through"}  # fmt: skip
+    redis_tier = {"url": redis_url, "key_prefix": key_prefix, "chunk_blocks": 1,
+                  "required": True, "write_policy": "write_through"}  # fmt: skip
     timed = range(1, repeats + 1)  # prompt 0 stores the prefix
+    Samples = list[tuple[float, dict[str, float], float | None]]
 
-    def steady(tier: str | None, tiers: dict | None, *flags: str) -> Callable[[], list[float]]:
-        def run() -> list[float]:
+    def steady(
+        tier: str | None, tiers: dict | None, raw: RawReader | None, *flags: str
+    ) -> Callable[[], Samples]:
+        def run() -> Samples:
             with bench.server(tiers, flags) as server:
                 server.complete(bench.asked[0], max_tokens=4)
-                return [bench.timed(server, i, tier, tier or "recompute") for i in timed]
+                return [bench.timed(server, i, tier, tier or "recompute", raw) for i in timed]
 
         return run
 
-    def restarted() -> list[float]:
+    def restarted() -> Samples:
         tiers = {"cpu": {"capacity": host}, "disk": disk}
         with bench.server(tiers) as server:
             server.complete(bench.asked[0], max_tokens=4)
         out = []
         for i in timed:
             with bench.server(tiers) as server:
-                out.append(bench.timed(server, i, "disk", "disk hit, new process"))
+                raw = RawReader(disk_path)
+                out.append(bench.timed(server, i, "disk", "disk hit, new process", raw))
         return out
 
-    plans: list[tuple[str, Callable[[], list[float]]]] = [
-        ("recompute", steady(None, None, "--no-enable-prefix-caching")),
-        ("host hit", steady("cpu", {"cpu": {"capacity": host}})),
+    plans: list[tuple[str, Callable[[], Samples]]] = [
+        ("recompute", steady(None, None, None, "--no-enable-prefix-caching")),
+        ("host hit", steady("cpu", {"cpu": {"capacity": host}}, None)),
         ("disk hit, steady state",
-         steady("disk", {"cpu": {"capacity": one_prompt}, "disk": disk})),
+         steady("disk", {"cpu": {"capacity": one_prompt}, "disk": disk}, RawReader(disk_path))),
         ("disk hit, new process", restarted),
-        ("redis hit", steady("redis", {"cpu": {"capacity": one_prompt}, "redis": redis})),
     ]  # fmt: skip
-    if args.only:
-        plans = [p for p in plans if p[0] == "recompute" or p[0].split()[0] in args.only]
-    use_redis = any(p[0].startswith("redis") for p in plans) and redis_reachable(redis_url)
-    if not use_redis and plans[-1][0].startswith("redis"):
-        print(f"note: no Redis at {redis_url}: the redis case is skipped", file=sys.stderr)
-        plans.pop()
-    ttft: dict[str, list[float]] = {}
+    if redis_url is not None:
+        raw_redis = RawReader(url=redis_url, prefix=key_prefix)
+        tiers = {"cpu": {"capacity": one_prompt}, "redis": redis_tier}
+        plans.append(("redis hit", steady("redis", tiers, raw_redis)))
+    if only:
+        plans = [p for p in plans if p[0] in ("recompute", "host hit") or p[0].split()[0] in only]
+    samples: dict[str, Samples] = {}
     try:
-        for case, run in progress(plans, desc="cases"):
-            ttft[case] = run()
+        for case, run in progress(plans, desc=f"cases, {n_tokens}-token prompts"):
+            samples[case] = run()
     finally:
-        if use_redis:
+        if redis_url is not None:
             delete_prefix(redis_url, key_prefix)
 
-    base = summarize(ttft["recompute"])
+    def ttft_ms(case: str) -> list[float]:
+        return [s[0] * 1e3 for s in samples[case]]
+
+    recompute = summarize(ttft_ms("recompute"))
+    host_ms = statistics.median(ttft_ms("host hit"))
+    size = f"{n_tokens}-token prompt"
     results = [
-        Result(f"recompute {n_tokens}-token prompt", "time to first token", "ms", *base,
-               higher_is_better=False)
+        Result(f"recompute {size}", "time to first token", "ms", *recompute,
+               higher_is_better=False),
+        Result(f"host hit {size}", "time to first token", "ms", *summarize(ttft_ms("host hit")),
+               ceiling=recompute[0], ceiling_what="TTFT recomputing the same prompt",
+               higher_is_better=False),
     ]  # fmt: skip
-    for case, _ in plans[1:]:
+    for case, _ in plans[2:]:
+        raw_ms = statistics.median(s[2] * 1e3 for s in samples[case])
         results.append(
             Result(
-                f"{case} {n_tokens}-token prompt",
+                f"{case} {size}",
                 "time to first token",
                 "ms",
-                *summarize(ttft[case]),
-                ceiling=base[0],
-                ceiling_what="TTFT recomputing the same prompt (vLLM server, no connector)",
+                *summarize(ttft_ms(case)),
+                ceiling=host_ms + raw_ms,
+                ceiling_what="limit: TTFT(host hit) + raw read of the same bytes (same run)",
+                target=TARGET,
                 higher_is_better=False,
             )
         )
-    print(f"vLLM server TTFT, demo Llama {DTYPE}, {n_tokens}-token prompts, {repeats} timed each")
+    breakdown = {}
+    for case, _ in plans[1:]:
+        names = dict.fromkeys(name for _, p, _ in samples[case] for name in p)
+        medians = {n: statistics.median(p.get(n, 0.0) for _, p, _ in samples[case]) for n in names}
+        breakdown[f"{case} {size}"] = {n: round(v * 1e3, 2) for n, v in medians.items()}
+        if samples[case][0][2] is not None:
+            raw = statistics.median(s[2] for s in samples[case])
+            breakdown[f"{case} {size}"]["raw read (limit's part)"] = round(raw * 1e3, 2)
+    return results, breakdown
+
+
+def print_breakdown(breakdown: dict[str, dict[str, float]]) -> None:
+    """Each case's phases (medians, ms) as columns, one row per case."""
+    names = list(dict.fromkeys(n for phases_ in breakdown.values() for n in phases_))
+    width = max(len(c) for c in breakdown)
+    print("\nwhere the time goes (medians, ms; kvtier's trace)")
+    print("case".ljust(width) + "".join(f"  {n:>{max(len(n), 6)}}" for n in names))
+    for case, p in breakdown.items():
+        cells = "".join(f"  {p[n]:>{max(len(n), 6)}.1f}" if n in p else
+                        f"  {'-':>{max(len(n), 6)}}" for n in names)  # fmt: skip
+        print(case.ljust(width) + cells)
+
+
+def main() -> int:
+    parser = standard_args(__doc__.split("\n")[0])
+    parser.add_argument("--prompt-tokens", type=int, nargs="+",
+                        help="prompt sizes (default 2048 8192; 2048 with --quick)")  # fmt: skip
+    parser.add_argument("--repeats", type=int, help="timed prompts per case (default 3; 1 quick)")
+    parser.add_argument(
+        "--only", nargs="+", metavar="TIER", choices=("disk", "redis"),
+        help="run only these spill cases (and the recompute and host hit they are judged by)",
+    )  # fmt: skip
+    args = parser.parse_args()
+    sizes = args.prompt_tokens or ([2048] if args.quick else [2048, 8192])
+    repeats = args.repeats or (1 if args.quick else 3)
+    redis_url = os.environ.get("KVTIER_BENCH_REDIS", "redis://127.0.0.1:6379/0")
+    if not redis_reachable(redis_url):
+        print(f"note: no Redis at {redis_url}: the redis case is skipped", file=sys.stderr)
+        redis_url = None
+    results: list[Result] = []
+    breakdown: dict[str, dict[str, float]] = {}
+    for n_tokens in sizes:
+        rows, phases_ = run_size(n_tokens, repeats, args.only, redis_url)
+        results += rows
+        breakdown |= phases_
+    print(f"vLLM server TTFT, demo Llama {DTYPE}, {repeats} timed prompt(s) per case")
     print_table(results)
-    for r in results[1:]:
-        print(f"speed-up {r.case}: {1 / r.ratio:.1f}x")
+    print_breakdown(breakdown)
     if args.out:
-        write_json(args.out, BENCHMARK, results, machine_info())
+        write_json(args.out, BENCHMARK, results, machine_info(), {"breakdown": breakdown})
     return 0
 
 
 def redis_reachable(url: str) -> bool:
-    import redis
-
     try:
         return bool(redis.Redis.from_url(url, socket_timeout=1).ping())
     except redis.RedisError:
@@ -212,8 +344,6 @@ def redis_reachable(url: str) -> bool:
 
 
 def delete_prefix(url: str, prefix: str) -> None:
-    import redis
-
     client = redis.Redis.from_url(url)
     keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
     if keys:

@@ -216,10 +216,12 @@ class TransferConfig:
 class MetricsConfig:
     """``prometheus_port`` (1..65535) serves ``/metrics`` over HTTP on
     ``prometheus_host`` (an IP address or host name; loopback unless set); None
-    disables it."""
+    disables it. ``trace_path`` names a file every process of the cache appends a JSON
+    line to for each step of each hit (``kvtier.trace``); None disables it."""
 
     prometheus_port: int | None = None
     prometheus_host: str = "127.0.0.1"
+    trace_path: str | None = None
 
 
 @dataclass(frozen=True)
@@ -588,6 +590,7 @@ def _read_metrics(sec: _Section) -> MetricsConfig:
     return MetricsConfig(
         prometheus_port=sec.get("prometheus_port", _optional(_port), d.prometheus_port),
         prometheus_host=sec.get("prometheus_host", _host, d.prometheus_host),
+        trace_path=sec.get("trace_path", _optional(_name), d.trace_path),
     )
 
 

@@ -68,6 +68,7 @@ from kvtier.spill import (
 )
 from kvtier.tiers import open_spill_tiers
 from kvtier.tiers.base import SpillTier
+from kvtier.trace import Trace
 from kvtier.transfer import Transfer, copy_blocks
 
 log = logging.getLogger(__name__)
@@ -322,6 +323,10 @@ class _Load:
     spill_slots: list[int]
     runs: tuple[SpillRun, ...]
     unpinned: list[int]  # engine blocks that could not be pinned: failed from the start
+    pinned: float = 0.0  # wall-clock times of its steps, for the trace
+    run: float | None = None
+    read: float | None = None
+    copied: float | None = None
     started: float = 0.0
     valid: int = 0  # leading blocks loaded and checked
     result: LoadResult | None = None
@@ -384,6 +389,7 @@ class ConnectorCache:
         self._loads: dict[str, _Load] = {}
         self._saves: list[_Save] = []
         self._changes: dict[bytes, bool] = {}  # keys the host pool gained or lost
+        self.trace = Trace(config.metrics.trace_path)
 
     @property
     def spec(self) -> ShardSpec:
@@ -440,6 +446,7 @@ class ConnectorCache:
                 spill_slots=staging,
                 runs=runs,
                 unpinned=blocks[n:],
+                pinned=time.time(),
             )
             return n
 
@@ -465,6 +472,7 @@ class ConnectorCache:
                 if self._cuda:
                     p.transfer.order_current_stream()
                 else:
+                    p.copied = time.time()
                     p.finished.set()
                 return
             after = self.transfer.mark()
@@ -482,7 +490,7 @@ class ConnectorCache:
             out = []
             for req_id, p in done:
                 del self._loads[req_id]
-                self._settle(p)
+                self._settle(req_id, p)
                 out.append((req_id, p.failed_blocks()))
             return out
 
@@ -569,6 +577,7 @@ class ConnectorCache:
         self.flush()
         _open_in_process.pop(self._namespace, None)
         self.below.close()
+        self.trace.close()
 
     # ------------------------------------------------------------------ internals
     def _copy(
@@ -612,20 +621,23 @@ class ConnectorCache:
     def _run_load(self, p: _Load, after: torch.cuda.Event | None) -> None:
         """On an I/O worker: read the spill runs into the staging slots, copy every
         loaded block up, and wait for the copy. ``p.valid`` is set only at the end."""
+        p.run = time.time()
         try:
             p.result = self.spill.load(p.runs, p.spill_slots)
+            p.read = time.time()
             valid = len(p.host_slots) + p.result.num_blocks
             self._copy_up(p, p.slots[:valid], after)
             error = p.transfer.join()
             if error is not None:
                 raise error
+            p.copied = time.time()
             p.valid = valid
         except Exception as e:  # settled as a failed load, never raised
             p.error = e
         finally:
             p.finished.set()
 
-    def _settle(self, p: _Load) -> None:
+    def _settle(self, req_id: str, p: _Load) -> None:
         """Count a finished load, publish what it read from the spill tiers, unpin."""
         stats = self._stats["cpu"]
         if not p.runs:  # host-only: the copy is the whole load
@@ -652,6 +664,25 @@ class ConnectorCache:
         if from_host:
             stats.count_out(from_host, from_host * self.layout.block_nbytes)
         self._stats.prefetch_latency.observe(time.perf_counter() - p.started)
+        if self.trace:
+            self._trace_load(req_id, p)
+
+    def _trace_load(self, req_id: str, p: _Load) -> None:
+        blocks = {"cpu": len(p.host_slots)} if p.host_slots else {}
+        for run in p.runs:
+            blocks[run.tier] = blocks.get(run.tier, 0) + run.num_blocks
+        self.trace.event(
+            "load",
+            req_id,
+            shard=self.shard,
+            blocks=blocks,
+            valid=p.valid,
+            pinned=p.pinned,
+            run=p.run,
+            read=p.read,
+            copied=p.copied or time.time(),  # a CUDA copy: seen done now
+            read_seconds=p.result.read_seconds if p.result else {},
+        )
 
     def _save_piece(self, src: list[int], chain: CachedBlocks) -> None:
         """Copy engine blocks ``src`` into newly allocated slots that will hold ``chain``."""

@@ -136,7 +136,8 @@ class LoadResult:
     bad: list[tuple[str, bytes, str]] = field(default_factory=list)  # tier, key, reason
     errors: list[tuple[str, BaseException]] = field(default_factory=list)  # tier, what it raised
     blocks_read: dict[str, int] = field(default_factory=dict)
-    read_seconds: dict[str, float] = field(default_factory=dict)  # per tier, its get_many
+    read_seconds: dict[str, float] = field(default_factory=dict)  # per tier: its get_many
+    check_seconds: dict[str, float] = field(default_factory=dict)  # ... checks and scatter
     short: Counter[str] = field(default_factory=Counter)  # per tier, blocks promised not loaded
 
 
@@ -377,6 +378,7 @@ class SpillManager:
             # blocks before are there already), up to its own end or the run's.
             ends = [c.start + c.num_blocks for c in run.chunks]
             los = [run.first_block, *ends[:-1]]
+            checking = [0.0]  # seconds in sink(), inside the tier's get_many
 
             def sink(
                 i: int,
@@ -385,9 +387,11 @@ class SpillManager:
                 ok: list = ok,
                 los: list = los,
                 ends: list = ends,
+                checking: list = checking,
             ) -> None:
                 chunk = run.chunks[i]
                 lo, hi = los[i], min(ends[i], run.first_block + run.num_blocks)
+                start = time.perf_counter()
                 try:
                     header, payload = self.codec.read_header(value, chunk.key)
                     first, n = header.first_position, header.num_blocks
@@ -406,6 +410,8 @@ class SpillManager:
                 except BadChunk as e:
                     result.bad.append((run.tier, chunk.key, e.reason))
                     return
+                finally:
+                    checking[0] += time.perf_counter() - start
                 ok[i] = True
 
             with self._lock:  # a queued value the lookup counted on (not a shorter one)
@@ -426,7 +432,8 @@ class SpillManager:
                         [run.chunks[i].key for i in stored],
                         lambda j, value, stored=stored, sink=sink: sink(stored[j], value),
                     )
-                result.read_seconds[run.tier] = time.perf_counter() - start
+                result.read_seconds[run.tier] = time.perf_counter() - start - checking[0]
+                result.check_seconds[run.tier] = checking[0]
             except Exception as e:  # what loaded before the failure is still good
                 result.errors.append((run.tier, e))
             good = next((i for i, v in enumerate(ok) if not v), len(ok))

@@ -578,3 +578,15 @@ def test_error_in_file_names_file_and_key(tmp_path: Path) -> None:
 def test_error_spill_order_checked_on_direct_construction() -> None:
     with pytest.raises(ConfigError, match=r"tiers\.spill_order"):
         TiersConfig(spill_order=("disk",))
+
+
+def test_the_trace_is_off_unless_a_path_is_given() -> None:
+    assert parse_config({}).metrics.trace_path is None
+    assert parse_config({"metrics": {"trace_path": ""}}).metrics.trace_path is None
+    assert parse_config({"metrics": {"trace_path": "/tmp/t.jsonl"}}).metrics.trace_path == (
+        "/tmp/t.jsonl"
+    )
+
+
+def test_error_trace_path_not_a_string() -> None:
+    assert_names(config_error({"metrics": {"trace_path": 7}}), "metrics.trace_path", "7")

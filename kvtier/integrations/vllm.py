@@ -90,6 +90,7 @@ from kvtier.integrations.vllm_metrics import (
     counters,
     gained,
 )
+from kvtier.trace import Trace
 
 if TYPE_CHECKING:
     from vllm.config import ParallelConfig, VllmConfig
@@ -178,6 +179,7 @@ class _RequestState:
     loading: set[int] = field(default_factory=set)  # vLLM blocks of its load in flight
     failed: bool = False  # a load of it failed: it is not offered another (vLLM recomputes)
     saves: bool = True  # False once reset_cache ran: its KV may be the old weights'
+    computing: bool = False  # the engine has scheduled tokens of it to compute
 
 
 def shard_name(parallel: ParallelConfig) -> str:
@@ -231,6 +233,7 @@ class KVTierConnector(KVConnectorBase_V1):
         model = self.config.model
         self._name = f"vllm:{vllm_config.model_config.model if model == 'default' else model}"
         self.faults: Counter[str] = Counter()  # exceptions caught, by hook
+        self.trace = Trace(self.config.metrics.trace_path)
         self._reported: dict[str, int] = {}  # counters as last handed to vLLM's stats
         # Scheduler side.
         self.index: ConnectorIndex | None = None
@@ -319,6 +322,8 @@ class KVTierConnector(KVConnectorBase_V1):
             time.sleep(0)
         self._collect_loads()
         recving, self._recving = self._recving, set()
+        for req_id in recving if self.trace else ():
+            self.trace.event("load_reported", req_id)
         return set(), recving
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -363,6 +368,7 @@ class KVTierConnector(KVConnectorBase_V1):
             self._cache.close()
         if self.index is not None:
             self.index.close()
+        self.trace.close()
 
     def _start_load(self, spec: LoadSpec) -> bool:
         cache = self.cache
@@ -434,7 +440,12 @@ class KVTierConnector(KVConnectorBase_V1):
         """Tokens past vLLM's own hit held below it; async when spill tiers must be read."""
         state = self._state(request)
         state.hit, state.asynchronous = None, False
+        start = time.time()
         hit = self._guarded("get_num_new_matched_tokens", self._match, state, num_computed_tokens)
+        if self.trace:
+            blocks = hit.blocks_per_tier() if hit else {}
+            seconds = time.time() - start
+            self.trace.event("lookup", request.request_id, start, seconds=seconds, blocks=blocks)
         if hit is None or not hit.num_blocks:
             return 0, False
         state.hit, state.asynchronous = hit, bool(hit.spill)
@@ -456,6 +467,10 @@ class KVTierConnector(KVConnectorBase_V1):
             spec = LoadSpec(request.request_id, None, [], None, targets, state.asynchronous)
         self._loads.append(spec)
         state.loading = set(targets)
+        if self.trace:
+            self.trace.event(
+                "load_planned", spec.req_id, blocks=len(targets), asynchronous=spec.asynchronous
+            )
 
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int
@@ -474,6 +489,10 @@ class KVTierConnector(KVConnectorBase_V1):
         self._loads, self._reset = [], False
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(req_id)
+            if state is not None and state.loaded and not state.computing and num_new:
+                state.computing = True
+                if self.trace:
+                    self.trace.event("compute", req_id, tokens=num_new)
             if state is not None and state.saves:
                 save = self._guarded("build_connector_meta", self._save_spec, state, num_new)
                 if save is not None:
@@ -495,6 +514,8 @@ class KVTierConnector(KVConnectorBase_V1):
                 state.failed = True
             if state.request.request_id in done or not state.asynchronous:
                 state.loading = set()
+        for req_id in done if self.trace else ():
+            self.trace.event("load_over", req_id)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
