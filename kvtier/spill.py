@@ -22,8 +22,10 @@ not held for a copy and a hash of every block its offloads bring in:
   value per chunk however many of its blocks go).
 - ``write_through`` tiers: a chunk is written as soon as all its ``C`` blocks are in
   the host pool (so other instances sharing the tier see it early), and again offered
-  when its blocks are evicted, as the runs above (so a write that failed during an
-  outage gets another chance; the size check below skips what is there). Blocks
+  when its blocks are evicted, as the runs above, unless it landed less than
+  ``LANDED_SECONDS`` before (so a write that failed during an outage, or a value the
+  tier may have dropped since, gets another chance, while an eviction does not encode
+  again what the tier has just stored; the size check below skips what is there). Blocks
   usually reach the host tail first, so a chunk whose tail arrived before its head is
   remembered under the hash it was missing and completed when that block arrives.
 - cascade: a tier that evicts values to make room (LMDB) passes them to the next tier
@@ -126,6 +128,9 @@ class Outage:
 
 
 OUTAGE_LOG_INTERVAL = 60.0  # seconds: at most one "down" line per tier in this time
+# Seconds for which a block whose write-through chunk landed is taken to be in that
+# tier: evicted from the host pool within them, its chunk is not offered again.
+LANDED_SECONDS = 60.0
 
 
 @dataclass
@@ -303,6 +308,9 @@ class SpillManager:
         self._through = [t for t in self.tiers if t.name in write_through]
         back = [t for t in self.tiers if t.name not in write_through]
         self._back = back[0] if back else None
+        # Blocks whose write-through chunk landed, per write-through tier: hash -> when
+        # (``time.monotonic``), until the host pool evicts them (see ``on_host_evict``).
+        self._landed: dict[str, dict[bytes, float]] = {t.name: {} for t in self._through}
         # Incomplete write-through chunks: missing hash -> (tier, tail hash, tail position).
         self._waiting: dict[bytes, list[tuple[SpillTier, bytes, int]]] = {}
         self._max_pending = max_pending_bytes
@@ -484,8 +492,11 @@ class SpillManager:
         """Host eviction hook: spill the victims' chunks before their slots are reused,
         one batch per tier; tiers of the same chunk size share each encoded value."""
         encoded: Encoded = {}
-        for tier in ([self._back] if self._back else []) + self._through:
-            self._encode_and_put(tier, self._evicted_chunks(tier, victims), encoded)
+        if self._back:
+            self._encode_and_put(self._back, self._evicted_chunks(self._back, victims), encoded)
+        for tier in self._through:
+            unwritten = self._not_landed(tier, victims)
+            self._encode_and_put(tier, self._evicted_chunks(tier, unwritten), encoded)
 
     def on_host_publish(self, blocks: CachedBlocks) -> None:
         """Write-through: write every chunk that these newly cached blocks complete, one
@@ -555,11 +566,12 @@ class SpillManager:
                 continue
             _, chunks, slots, nbytes = job.args  # ``_encode_later``'s job
             try:
-                items = self._encode_pinned(tier, chunks, slots, nbytes)
+                items, blocks = self._encode_pinned(tier, chunks, slots, nbytes)
             except Exception as e:  # a lost write-through, never the caller's error
                 self._count_error(tier.name, e)
                 continue
-            held.append((tier, self._writers, partial(self._put, tier, items, nbytes, True)))
+            put = partial(self._put, tier, items, nbytes, fresh=True, blocks=blocks)
+            held.append((tier, self._writers, put))
 
     def start_writes(self, held: list[HeldWrite]) -> None:
         """Queue writes that ``holding_writes`` held back (any thread)."""
@@ -644,14 +656,17 @@ class SpillManager:
     ) -> None:
         """On the encoder thread: ``_encode_pinned``, then queue the write (chunks just
         completed: ``fresh``)."""
-        items = self._encode_pinned(tier, chunks, slots, nbytes)
-        self._background(tier, self._writers, partial(self._put, tier, items, nbytes, fresh=True))
+        items, blocks = self._encode_pinned(tier, chunks, slots, nbytes)
+        put = partial(self._put, tier, items, nbytes, fresh=True, blocks=blocks)
+        self._background(tier, self._writers, put)
 
     def _encode_pinned(
         self, tier: SpillTier, chunks: list[Chunk], slots: list[int], nbytes: int
-    ) -> list[tuple[bytes, memoryview, int]]:
+    ) -> tuple[list[tuple[bytes, memoryview, int]], dict[bytes, list[bytes]]]:
         """Encode the chunks whose ``slots`` ``_encode_later`` pinned, make them visible in
-        flight, and unpin the slots; the items to write. A failure gives back ``nbytes``."""
+        flight, and unpin the slots: the items to write, and each one's block hashes. A
+        failure gives back ``nbytes``."""
+        blocks: dict[bytes, list[bytes]] = {}
         try:
             values = self.codec.encode_many(self._rows, chunks)
             items = [(key, v, len(s)) for (key, _, s), v in zip(chunks, values)]
@@ -662,8 +677,11 @@ class SpillManager:
             raise
         finally:
             with self._host_lock:
+                if self._landed.get(tier.name) is not None:
+                    for key, _, chunk_slots in chunks:
+                        blocks[key] = self.host.cached_blocks(chunk_slots).hashes
                 self.host.free(slots)
-        return items
+        return items, blocks
 
     def _reserve_chunks(self, tier: SpillTier, chunks: list[Chunk]) -> int:
         """``_reserve`` the bytes of ``chunks``' values; 0 when there are none or no room."""
@@ -707,8 +725,10 @@ class SpillManager:
         items: list[tuple[bytes, memoryview, int]],
         nbytes: int,
         fresh: bool,
+        blocks: dict[bytes, list[bytes]] | None = None,
     ) -> None:
-        """Store the chunks the tier does not hold yet. On an I/O worker.
+        """Store the chunks the tier does not hold yet. On an I/O worker. ``blocks`` gives
+        the block hashes of write-through chunks, recorded as landed once they are.
 
         Chunks just completed in the host pool (``fresh``) are seldom in the tier: they
         are written only where the key holds nothing (``put_many(only_new=True)``), which
@@ -739,6 +759,8 @@ class SpillManager:
                 self._stats[tier.name].count_in(
                     sum(n for _, _, n in todo), sum(len(v) for _, v, _ in todo), seconds
                 )
+                if blocks:
+                    self._record_landed(tier, [blocks[key] for key, _, _ in todo])
             self._count_ok(tier.name)
         finally:
             with self._lock:
@@ -749,6 +771,36 @@ class SpillManager:
                     if queued.get(key) is value:  # not since replaced by a newer write
                         del queued[key]
                         journal[key] = 0
+
+    def _record_landed(self, tier: SpillTier, chunks: list[list[bytes]]) -> None:
+        """Record the blocks of write-through ``chunks`` that landed (under ``_lock``);
+        beyond twice the host pool's blocks, the oldest records go."""
+        landed, now = self._landed[tier.name], time.monotonic()
+        for hashes in chunks:
+            landed.update(dict.fromkeys(hashes, now))
+        for _ in range(len(landed) - 2 * self.host.num_blocks):
+            del landed[next(iter(landed))]
+
+    def _not_landed(self, tier: SpillTier, victims: CachedBlocks) -> CachedBlocks:
+        """The victims whose write-through chunk did not land in ``tier`` within the last
+        ``LANDED_SECONDS``; the others' records go with them (the host pool lets them go).
+        Those the tier holds are not offered again: their slots' KV is not encoded twice
+        (a write that failed, or a value the tier may have dropped since, is)."""
+        landed = self._landed[tier.name]
+        if not landed:
+            return victims
+        since = time.monotonic() - LANDED_SECONDS
+        with self._lock:
+            keep = [i for i, h in enumerate(victims.hashes) if landed.pop(h, since - 1) < since]
+        if len(keep) == len(victims.hashes):
+            return victims
+        b = victims
+        return CachedBlocks(
+            [b.block_ids[i] for i in keep],
+            [b.hashes[i] for i in keep],
+            [b.positions[i] for i in keep],
+            [b.parents[i] for i in keep],
+        )
 
     def _track(self, tier: SpillTier, items: list[tuple[bytes, memoryview, int]]) -> None:
         """Make queued values visible to lookups and loads until ``_put`` is over."""

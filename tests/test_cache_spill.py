@@ -14,6 +14,7 @@ import pytest
 import torch
 from redis_servers import unique_prefix, wait_until
 
+from kvtier import spill as spill_module
 from kvtier.cache import TieredCache
 from kvtier.chunk import ChunkCodec, byte_rows
 from kvtier.config import parse_config
@@ -325,7 +326,24 @@ def test_write_through_leaves_a_chunk_the_tier_holds_as_it_is():
     spill.close()
 
 
-def test_chunks_offered_again_on_eviction_cost_one_size_query_and_no_write():
+def test_chunks_a_write_through_landed_are_not_encoded_or_sent_again_on_eviction():
+    host, slots = host_with_chain(8)
+    redis = fake_redis(chunk_blocks=4)
+    spill = spill_manager([redis], ["redis"], host)
+    spill.codec = codec = CountingCodec(host.layout)
+    spill.on_host_publish(host.cached_blocks(slots))
+    spill.flush()
+    before, encoded = redis.round_trips, codec.encoded
+    spill.on_host_evict(host.cached_blocks(slots[::-1]))
+    spill.flush()
+    assert (redis.round_trips, codec.encoded) == (before, encoded)
+    spill.close()
+
+
+def test_chunks_that_landed_longer_ago_are_offered_again_at_one_size_query_and_no_write(
+    monkeypatch,
+):
+    monkeypatch.setattr(spill_module, "LANDED_SECONDS", 0.0)  # the tier may have dropped them
     host, slots = host_with_chain(8)
     redis = fake_redis(chunk_blocks=4)
     redis.sizes_many([bytes(16)])  # learns that fakeredis runs no scripts
