@@ -1648,6 +1648,14 @@ static void *
 worker_main(void *arg)
 {
     Copier *c = arg;
+#ifdef __linux__
+    /* Any CPU the process's cpuset allows, not only the creating thread's (threads.py). */
+    cpu_set_t any;
+    CPU_ZERO(&any);
+    for (int cpu = 0; cpu < CPU_SETSIZE; cpu++)
+        CPU_SET(cpu, &any);
+    sched_setaffinity(0, sizeof any, &any);
+#endif
     pthread_mutex_lock(&c->mu);
     for (;;) {
         if (c->head == NULL && !c->stop) {

@@ -77,7 +77,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -86,6 +86,7 @@ from kvtier.block_pool import CachedBlocks
 from kvtier.chunk import BadChunk, ChunkCodec, byte_rows
 from kvtier.host_pool import HostPool
 from kvtier.metrics import TierStats
+from kvtier.threads import thread_pool
 from kvtier.tiers.base import SpillTier
 
 log = logging.getLogger(__name__)
@@ -301,8 +302,8 @@ class SpillManager:
         self._rows = byte_rows(host.slab)
         # Writes get their own workers: a write stuck on a hung tier (up to its timeout)
         # must never delay a prefetch, which runs on the transfer engine's workers.
-        self._writers = ThreadPoolExecutor(max(1, write_workers), thread_name_prefix="kvtier-spill")
-        self._encoder = ThreadPoolExecutor(1, thread_name_prefix="kvtier-encode")
+        self._writers = thread_pool(max(1, write_workers), "kvtier-spill")
+        self._encoder = thread_pool(1, "kvtier-encode")
         self._stats = {t.name: TierStats() for t in self.tiers}
         self._outages = {t.name: Outage() for t in self.tiers}
         self._through = [t for t in self.tiers if t.name in write_through]

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TypeVar
 
 import numpy as np
@@ -59,6 +59,7 @@ import torch
 
 from kvtier._core import Copier, CopyJob
 from kvtier.chunk import byte_rows
+from kvtier.threads import thread_pool
 
 T = TypeVar("T")
 _WIDE = torch.complex128  # 16-byte elements: the widest dtype torch has
@@ -299,7 +300,7 @@ class TransferEngine:
             self.offload_stream = torch.cuda.Stream(self.device)
             self.load_stream = torch.cuda.Stream(self.device)
         self.workers = max(1, workers)
-        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="kvtier-io")
+        self._pool = thread_pool(self.workers, "kvtier-io")
         self._copier = None if self._cuda else Copier()
         # Byte-row views of the tensors given to background copies (the pools) and their
         # row size, kept with their tensor so that an id is never reused while its view
