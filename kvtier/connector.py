@@ -561,14 +561,17 @@ class ConnectorCache:
             self._poll_saves()
         self.below.flush()
 
-    def wait_loads(self) -> None:
+    def wait_loads(self, timeout: float | None = None) -> None:
         """Wait until the spill reads (and their copies up) of every started load are
-        over; ``finished_loads`` then reports them (host-only loads are copies that ``load``
-        itself ran or queued)."""
+        over, or ``timeout`` seconds have passed; ``finished_loads`` then reports those
+        over (host-only loads are copies that ``load`` itself ran or queued)."""
         with self._lock:
             reading = [p for p in self._loads.values() if p.runs and p.started]
+        deadline = None if timeout is None else time.monotonic() + timeout
         for p in reading:
-            p.finished.wait()
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0 or not p.finished.wait(left):
+                return
 
     def close(self) -> None:
         """Finish loads, copies and writes in flight, then close the tiers."""

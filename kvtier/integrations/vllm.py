@@ -104,6 +104,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Seconds a worker waits at most, in a step that computes nothing, for its async loads.
+IDLE_STEP_WAIT = 0.02
+
 # Where vLLM's hit sources name kvtier's tiers; Redis is a remote store.
 HIT_SOURCES: dict[str, CacheHitSource] = {
     "cpu": CacheHitSource.HOST,
@@ -159,11 +162,13 @@ class SaveSpec:
 @dataclass
 class KVTierMetadata(KVConnectorMetadata):
     """What the workers do this step: loads before the forward, saves after it, and
-    ``reset``: drop the host pool first (the scheduler moved to a new key space)."""
+    ``reset``: drop the host pool first (the scheduler moved to a new key space).
+    ``idle``: the step computes nothing (every request waits for its load)."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     reset: bool = False
+    idle: bool = False
 
 
 @dataclass
@@ -317,9 +322,16 @@ class KVTierConnector(KVConnectorBase_V1):
         if self._async_loads:
             # vLLM calls this every step, and steps back to back while a request waits
             # for its load; the loads run on Python threads that need the GIL between
-            # their reads. Yield it here, or each of their turns waits for the
-            # interpreter's switch interval (5 ms) and a load of a few MiB takes ~1 s.
-            time.sleep(0)
+            # their reads. In a step that computes nothing, wait for them here (a while
+            # at most: a new request may be waiting for the next step): the engine's
+            # processes no longer spin against the reads for the cores, and a load is
+            # reported in the step it ends in. Otherwise yield the GIL, or each of the
+            # reads' turns waits for the interpreter's switch interval (5 ms).
+            meta = self._get_connector_metadata()
+            if isinstance(meta, KVTierMetadata) and meta.idle and self._cache is not None:
+                self._guarded("get_finished", self._cache.wait_loads, IDLE_STEP_WAIT)
+            else:
+                time.sleep(0)
         self._collect_loads()
         recving, self._recving = self._recving, set()
         for req_id in recving if self.trace else ():
@@ -485,7 +497,8 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMetadata:
         """This step's loads, and the blocks each scheduled request fills this step."""
-        meta = KVTierMetadata(loads=self._loads, reset=self._reset)
+        idle = scheduler_output.total_num_scheduled_tokens == 0
+        meta = KVTierMetadata(loads=self._loads, reset=self._reset, idle=idle)
         self._loads, self._reset = [], False
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(req_id)

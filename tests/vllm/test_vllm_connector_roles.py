@@ -84,6 +84,10 @@ class Blocks:
 class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
 
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
 
 class Engine:
     """A scheduler-side connector and ``tp`` worker-side ones, wired as vLLM wires them."""
