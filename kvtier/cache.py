@@ -50,9 +50,10 @@ from kvtier.host_tiers import HostTiers
 from kvtier.layout import KVLayout
 from kvtier.metrics import CacheStats, TierStats
 from kvtier.prometheus import MetricsServer, serve_metrics
-from kvtier.spill import LoadResult, SpillRun
+from kvtier.spill import LoadResult, SpillRun, hit_blocks
 from kvtier.tiers import spill_namespace
 from kvtier.tiers.base import SpillTier, TierUsage
+from kvtier.trace import LoadTimes, Trace
 from kvtier.transfer import Transfer, TransferEngine
 
 log = logging.getLogger(__name__)
@@ -131,6 +132,7 @@ class _Prefetch:
     seconds: float = 0.0
     started: float = field(default_factory=time.perf_counter)  # at allocate
     finished_at: float = 0.0  # when ``work`` returned (its KV in place)
+    times: LoadTimes = field(default_factory=LoadTimes)  # for the trace
 
     def set_work(self, work: Callable[[], int]) -> None:
         self.work, self.claim, self.finished = work, threading.Lock(), threading.Event()
@@ -249,6 +251,7 @@ class TieredCache:
         self._prefetches: dict[Hashable, _Prefetch] = {}  # until the request is freed
         self._unsettled: dict[Hashable, _Prefetch] = {}  # until ``_poll`` settles them
         self._metrics: MetricsServer | None = None
+        self.trace = Trace(config.metrics.trace_path)
         self._stats = CacheStats(
             {"gpu": TierStats(), **(self.below.tier_stats() if self.below else {})}
         )
@@ -298,13 +301,20 @@ class TieredCache:
                 self._host_stats.hits += len(host)
                 self._host_stats.misses += len(wanted) - len(gpu) - len(host)
             if self.spill is None:  # done: no second trip through the lock
-                self._stats.lookup_latency.observe(time.perf_counter() - start)
-                return PrefixHit(self.block_size, tuple(gpu), tuple(host))
-        runs = self.spill.lookup(wanted, len(gpu) + len(host))
-        seconds = time.perf_counter() - start
-        with self._lock:
-            self._stats.lookup_latency.observe(seconds)
-        return PrefixHit(self.block_size, tuple(gpu), tuple(host), tuple(runs))
+                hit = PrefixHit(self.block_size, tuple(gpu), tuple(host))
+                seconds = time.perf_counter() - start
+                self._stats.lookup_latency.observe(seconds)
+        if self.spill is not None:
+            runs = self.spill.lookup(wanted, len(gpu) + len(host))
+            hit = PrefixHit(self.block_size, tuple(gpu), tuple(host), tuple(runs))
+            seconds = time.perf_counter() - start
+            with self._lock:
+                self._stats.lookup_latency.observe(seconds)
+        if self.trace:
+            blocks = {t: n // self.block_size for t, n in hit.tokens_per_tier().items() if n}
+            start = time.time() - seconds
+            self.trace.event("lookup", req_id, start, seconds=seconds, blocks=blocks)
+        return hit
 
     def allocate(
         self, req_id: Hashable, num_new_tokens: int, hit: PrefixHit | None = None
@@ -461,6 +471,7 @@ class TieredCache:
             self.below.close()
         else:
             self.transfer.close()
+        self.trace.close()
 
     def __enter__(self) -> TieredCache:
         return self
@@ -500,6 +511,7 @@ class TieredCache:
     def _run_prefetch(self, p: _Prefetch, after: torch.cuda.Event | None) -> int:
         """On an I/O worker: read the spill runs into host slots, then copy up. Returns how
         many leading blocks of ``p.blocks`` now hold checked KV."""
+        p.times.run = time.time()
         valid = len(p.host_slots)
         if p.runs:
             try:
@@ -507,11 +519,13 @@ class TieredCache:
             finally:
                 self.spill.start_writes(p.held)
             valid += p.load.num_blocks
+        p.times.read = time.time()
         slots = (p.host_slots + p.spill_slots)[:valid]
         transfer = self.transfer.copy(self.host.slab, slots, self.gpu.kv, p.blocks[:valid], after)
         error = transfer.join()
         if error is not None:
             raise error
+        p.times.copied = time.time()
         p.nbytes, p.seconds = transfer.nbytes, transfer.seconds
         return valid
 
@@ -539,6 +553,9 @@ class TieredCache:
         if error is None:
             self._stats.prefetch_latency.observe(p.latency())
         p.result = (p.first + valid) * self.block_size
+        if self.trace:
+            reads = p.load.read_seconds if p.load else {}
+            self.trace.load(req_id, "", hit_blocks(n_host, p.runs), valid, p.times, reads)
 
     def _poll(self) -> None:
         """Observe finished work: settle prefetches, publish and unpin offloads."""

@@ -64,11 +64,12 @@ from kvtier.spill import (
     SpillRun,
     ValueShape,
     find_runs,
+    hit_blocks,
     truncate_runs,
 )
 from kvtier.tiers import open_spill_tiers
 from kvtier.tiers.base import SpillTier
-from kvtier.trace import Trace
+from kvtier.trace import LoadTimes, Trace
 from kvtier.transfer import Transfer, copy_blocks
 
 log = logging.getLogger(__name__)
@@ -191,10 +192,7 @@ class ConnectorHit:
 
     def blocks_per_tier(self) -> dict[str, int]:
         """Hit blocks by tier name (``cpu``, then each spill tier that holds some)."""
-        out = {"cpu": self.host_blocks} if self.host_blocks else {}
-        for run in next(iter(self.spill.values()), ()):
-            out[run.tier] = out.get(run.tier, 0) + run.num_blocks
-        return out
+        return hit_blocks(self.host_blocks, next(iter(self.spill.values()), ()))
 
     def truncated(self, n: int) -> ConnectorHit:
         """The first ``n`` blocks of this hit."""
@@ -323,10 +321,7 @@ class _Load:
     spill_slots: list[int]
     runs: tuple[SpillRun, ...]
     unpinned: list[int]  # engine blocks that could not be pinned: failed from the start
-    pinned: float = 0.0  # wall-clock times of its steps, for the trace
-    run: float | None = None
-    read: float | None = None
-    copied: float | None = None
+    times: LoadTimes = field(default_factory=LoadTimes)  # for the trace
     started: float = 0.0
     valid: int = 0  # leading blocks loaded and checked
     result: LoadResult | None = None
@@ -446,7 +441,6 @@ class ConnectorCache:
                 spill_slots=staging,
                 runs=runs,
                 unpinned=blocks[n:],
-                pinned=time.time(),
             )
             return n
 
@@ -472,7 +466,7 @@ class ConnectorCache:
                 if self._cuda:
                     p.transfer.order_current_stream()
                 else:
-                    p.copied = time.time()
+                    p.times.copied = time.time()
                     p.finished.set()
                 return
             after = self.transfer.mark()
@@ -624,16 +618,16 @@ class ConnectorCache:
     def _run_load(self, p: _Load, after: torch.cuda.Event | None) -> None:
         """On an I/O worker: read the spill runs into the staging slots, copy every
         loaded block up, and wait for the copy. ``p.valid`` is set only at the end."""
-        p.run = time.time()
+        p.times.run = time.time()
         try:
             p.result = self.spill.load(p.runs, p.spill_slots)
-            p.read = time.time()
+            p.times.read = time.time()
             valid = len(p.host_slots) + p.result.num_blocks
             self._copy_up(p, p.slots[:valid], after)
             error = p.transfer.join()
             if error is not None:
                 raise error
-            p.copied = time.time()
+            p.times.copied = time.time()
             p.valid = valid
         except Exception as e:  # settled as a failed load, never raised
             p.error = e
@@ -668,24 +662,9 @@ class ConnectorCache:
             stats.count_out(from_host, from_host * self.layout.block_nbytes)
         self._stats.prefetch_latency.observe(time.perf_counter() - p.started)
         if self.trace:
-            self._trace_load(req_id, p)
-
-    def _trace_load(self, req_id: str, p: _Load) -> None:
-        blocks = {"cpu": len(p.host_slots)} if p.host_slots else {}
-        for run in p.runs:
-            blocks[run.tier] = blocks.get(run.tier, 0) + run.num_blocks
-        self.trace.event(
-            "load",
-            req_id,
-            shard=self.shard,
-            blocks=blocks,
-            valid=p.valid,
-            pinned=p.pinned,
-            run=p.run,
-            read=p.read,
-            copied=p.copied or time.time(),  # a CUDA copy: seen done now
-            read_seconds=p.result.read_seconds if p.result else {},
-        )
+            blocks = hit_blocks(len(p.host_slots), p.runs)
+            reads = p.result.read_seconds if p.result else {}
+            self.trace.load(req_id, self.shard, blocks, p.valid, p.times, reads)
 
     def _save_piece(self, src: list[int], chain: CachedBlocks) -> None:
         """Copy engine blocks ``src`` into newly allocated slots that will hold ``chain``."""

@@ -267,6 +267,11 @@ def _blocks_by_tier(runs: Sequence[SpillRun]) -> Counter[str]:
     return out
 
 
+def hit_blocks(host_blocks: int, runs: Sequence[SpillRun]) -> dict[str, int]:
+    """A hit's blocks by tier: ``host_blocks`` under ``cpu`` (when any), then ``runs``'."""
+    return {**({"cpu": host_blocks} if host_blocks else {}), **_blocks_by_tier(runs)}
+
+
 def truncate_runs(runs: Sequence[SpillRun], n: int) -> tuple[SpillRun, ...]:
     """The first ``n`` blocks of ``runs`` (chunks beyond them dropped)."""
     out = []

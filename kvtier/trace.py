@@ -33,7 +33,18 @@ import json
 import os
 import time
 from contextlib import suppress
+from dataclasses import dataclass, field
 from typing import Any
+
+
+@dataclass(slots=True)
+class LoadTimes:
+    """Wall-clock times of one load's steps (see ``load`` above); None: not reached."""
+
+    pinned: float = field(default_factory=time.time)
+    run: float | None = None
+    read: float | None = None
+    copied: float | None = None
 
 
 class Trace:
@@ -57,6 +68,30 @@ class Trace:
         line = json.dumps({**record, "req": str(req), **fields}) + "\n"
         with suppress(OSError):  # a full disk, a closed file: the trace is best effort
             os.write(self._fd, line.encode())
+
+    def load(
+        self,
+        req: object,
+        shard: str,
+        blocks: dict[str, int],
+        valid: int,
+        times: LoadTimes,
+        read_seconds: dict[str, float],
+    ) -> None:
+        """The ``load`` event of a settled load; a copy not seen end (queued on a
+        stream or the copier) counts as copied now."""
+        self.event(
+            "load",
+            req,
+            shard=shard,
+            blocks=blocks,
+            valid=valid,
+            pinned=times.pinned,
+            run=times.run,
+            read=times.read,
+            copied=times.copied or time.time(),
+            read_seconds=read_seconds,
+        )
 
     def close(self) -> None:
         if self._fd is not None:

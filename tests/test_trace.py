@@ -67,3 +67,31 @@ def test_a_host_load_in_the_computing_step_has_no_io_phases() -> None:
     events = [{"event": "lookup", "t": 1.0, "seconds": 0.5}, _load(2.0, None, None, 3.0)]
     got = phases(events, sent=0.0, first_token=5.0)
     assert got == {"to lookup": 1.0, "lookup": 0.5, "to load": 0.5, "copy up": 1.0, "compute": 2.0}
+
+
+def test_a_native_disk_hit_traces_its_lookup_and_each_step_of_its_load_in_order(tmp_path) -> None:
+    from kvtier.cache import TieredCache
+    from kvtier.config import parse_config
+    from kvtier.synthetic import serve
+
+    path = tmp_path / "trace.jsonl"
+    layout = {"num_layers": 1, "block_size": 4, "num_kv_heads": 1, "head_dim": 4}
+    tiers = {
+        "gpu": {"num_blocks": 4, "device": "cpu"},
+        "cpu": {"capacity": 4 * 64},
+        "disk": {"path": str(tmp_path / "lmdb"), "capacity": "1MiB", "chunk_blocks": 1},
+    }
+    config = {"layout": layout, "tiers": tiers, "metrics": {"trace_path": str(path)}}
+    with TieredCache(parse_config(config)) as cache:
+        prompt = list(range(13))  # 3 full blocks
+        serve(cache, "a", prompt)
+        for i in range(4):  # push "a" out of the GPU and host pools, onto disk
+            serve(cache, f"other{i}", list(range(100 * (i + 1), 100 * (i + 1) + 13)))
+        cache.flush()
+        assert serve(cache, "again", prompt).valid_tokens == 12
+    events = [e for e in read_trace(path) if e["req"] == "again"]
+    assert [e["event"] for e in events] == ["lookup", "load"]
+    lookup, load = events
+    assert lookup["blocks"] == load["blocks"] == {"disk": 3} and load["valid"] == 3
+    assert lookup["t"] <= load["pinned"] <= load["run"] <= load["read"] <= load["copied"]
+    assert set(load["read_seconds"]) == {"disk"}
