@@ -39,8 +39,6 @@ and its output must equal the recompute's (greedy), or the script fails.
 from __future__ import annotations
 
 import os
-import random
-import statistics
 import sys
 import tempfile
 import time
@@ -48,11 +46,17 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-import lmdb
-import numpy as np
-import redis
 import yaml
-from _report import Result, machine_info, print_table, standard_args, summarize, write_json
+from _report import Result, machine_info, print_table, standard_args, write_json
+from _ttft import (
+    RawReader,
+    Sample,
+    delete_prefix,
+    print_breakdown,
+    prompts,
+    redis_reachable,
+    results,
+)
 
 from kvtier.demo import DEMO_MODEL
 from kvtier.integrations.vllm_engine import save_model
@@ -67,70 +71,6 @@ KV_PER_TOKEN = 8192  # the demo Llama's KV bytes per token in float32
 DTYPE = "float32"  # bf16 matmuls are several times slower on CPUs without AMX
 SOURCE = {"cpu": "host", "disk": "disk", "redis": "external_unspecified"}
 SETTLE_SECONDS = 0.5
-TARGET = 1.25  # a spill hit's TTFT over its limit
-
-
-def prompts(prefix_tokens: int, count: int, seed: int) -> list[list[int]]:
-    """``count`` prompts: one shared prefix, then a question each."""
-    rng = random.Random(seed)
-
-    def text(n: int) -> list[int]:
-        return [rng.randrange(200, DEMO_MODEL.vocab_size) for _ in range(n)]
-
-    prefix = text(prefix_tokens)
-    return [prefix + text(QUESTION_TOKENS) for _ in range(count)]
-
-
-class RawReader:
-    """Reads ``n`` stored values of a tier at its raw speed: lmdb or redis-py, no kvtier."""
-
-    def __init__(self, disk: Path | None = None, url: str | None = None, prefix: str = ""):
-        self._disk, self._url, self._prefix = disk, url, prefix
-
-    def seconds(self, n: int, repeats: int = 3) -> float:
-        """Seconds to read ``n`` stored values into a staging buffer: the fastest of
-        ``repeats`` reads (the first one maps the pages into this process), of the first
-        ``n`` values in the store's order (all of one size here: one vLLM block each)."""
-        if self._disk is not None:
-            with lmdb.open(str(self._disk), readonly=True, max_dbs=8) as env:
-                db = env.open_db(b"data", create=False)
-                with env.begin(db=db) as txn:
-                    keys = [k for k, _ in zip(txn.cursor().iternext(values=False), range(n))]
-
-                def read() -> None:
-                    with env.begin(db=db, buffers=True) as txn:
-                        _stage([txn.get(k) for k in keys])
-
-                return min(_timed(read) for _ in range(repeats))
-        client = redis.Redis.from_url(self._url)
-        keys = list(client.scan_iter(match=f"{self._prefix}*", count=1000))[:n]
-
-        def read() -> None:
-            pipe = client.pipeline(transaction=False)
-            for key in keys:
-                pipe.get(key)
-            _stage(pipe.execute())
-
-        try:
-            return min(_timed(read) for _ in range(repeats))
-        finally:
-            client.close()
-
-
-def _timed(fn: Callable[[], None]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def _stage(values: list) -> None:
-    """Copy ``values`` into one staging buffer, as a load scatters them into host slots."""
-    views = [memoryview(v) for v in values]
-    buffer = np.empty(sum(v.nbytes for v in views), np.uint8)
-    offset = 0
-    for v in views:
-        buffer[offset : offset + v.nbytes] = np.frombuffer(v, np.uint8)
-        offset += v.nbytes
 
 
 class Bench:
@@ -140,10 +80,12 @@ class Bench:
         self.n_tokens = n_tokens
         self.work = work
         self.model = save_model(work / "model", DEMO_MODEL, DTYPE)
-        self.asked = prompts(n_tokens - QUESTION_TOKENS, repeats + 1, seed=0)
+        vocab = DEMO_MODEL.vocab_size
+        self.asked = prompts(n_tokens - QUESTION_TOKENS, QUESTION_TOKENS, repeats + 1, vocab, 0)
         blocks = -(-(n_tokens + BLOCK) // BLOCK)
         # Unrelated prompts that fill vLLM's whole pool (one block of it is vLLM's own).
-        self.others = prompts(blocks * BLOCK - 1 - QUESTION_TOKENS, len(self.asked), seed=1)
+        others = blocks * BLOCK - 1 - QUESTION_TOKENS
+        self.others = prompts(others, QUESTION_TOKENS, len(self.asked), vocab, 1)
         self.args = ["--dtype", DTYPE, "--gpu-memory-utilization", "0.3",
                      "--max-model-len", str(blocks * BLOCK),
                      "--num-gpu-blocks-override", str(blocks + 1)]  # fmt: skip
@@ -164,9 +106,8 @@ class Bench:
 
     def timed(
         self, server: VLLMServer, i: int, tier: str | None, case: str, raw: RawReader | None
-    ) -> tuple[float, dict[str, float], float | None]:
-        """Timed prompt ``i`` after the unrelated one, checked: (TTFT, its phases, the
-        raw read of as many values as its hit read; seconds)."""
+    ) -> Sample:
+        """Timed prompt ``i`` after the unrelated one, checked."""
         server.complete(self.others[i], max_tokens=1)
         # Steady state: the spill writes the unrelated prompt's evictions caused have
         # landed (the scheduler finds what the tiers hold, not what is still queued).
@@ -177,7 +118,7 @@ class Bench:
         after = server.cached_tokens()
         if tier is None:
             self.expected.append(reply.tokens)
-            return reply.ttft, {}, None
+            return Sample(reply.ttft, {}, None)
         got = {s: after[s] - before[s] for s in after}
         prefix = len(self.asked[i]) - QUESTION_TOKENS
         from_kvtier = sum(got[s] for s in SOURCE.values())
@@ -188,7 +129,7 @@ class Bench:
         events = self._events(sent, sent + reply.ttft)
         blocks = max(sum(e["blocks"].values()) for e in events if e["event"] == "load")
         raw_seconds = raw.seconds(blocks) if raw is not None else None
-        return reply.ttft, phases(events, sent, sent + reply.ttft), raw_seconds
+        return Sample(reply.ttft, phases(events, sent, sent + reply.ttft), raw_seconds)
 
     def _events(self, start: float, end: float) -> list[dict]:
         """The trace events of the request the client sent at ``start``."""
@@ -212,7 +153,7 @@ def run_size(
     redis_tier = {"url": redis_url, "key_prefix": key_prefix, "chunk_blocks": 1,
                   "required": True, "write_policy": "write_through"}  # fmt: skip
     timed = range(1, repeats + 1)  # prompt 0 stores the prefix
-    Samples = list[tuple[float, dict[str, float], float | None]]
+    Samples = list[Sample]
 
     def steady(
         tier: str | None, tiers: dict | None, raw: RawReader | None, *flags: str
@@ -256,54 +197,7 @@ def run_size(
         if redis_url is not None:
             delete_prefix(redis_url, key_prefix)
 
-    def ttft_ms(case: str) -> list[float]:
-        return [s[0] * 1e3 for s in samples[case]]
-
-    recompute = summarize(ttft_ms("recompute"))
-    host_ms = statistics.median(ttft_ms("host hit"))
-    size = f"{n_tokens}-token prompt"
-    results = [
-        Result(f"recompute {size}", "time to first token", "ms", *recompute,
-               higher_is_better=False),
-        Result(f"host hit {size}", "time to first token", "ms", *summarize(ttft_ms("host hit")),
-               ceiling=recompute[0], ceiling_what="TTFT recomputing the same prompt",
-               higher_is_better=False),
-    ]  # fmt: skip
-    for case, _ in plans[2:]:
-        raw_ms = statistics.median(s[2] * 1e3 for s in samples[case])
-        results.append(
-            Result(
-                f"{case} {size}",
-                "time to first token",
-                "ms",
-                *summarize(ttft_ms(case)),
-                ceiling=host_ms + raw_ms,
-                ceiling_what="limit: TTFT(host hit) + raw read of the same bytes (same run)",
-                target=TARGET,
-                higher_is_better=False,
-            )
-        )
-    breakdown = {}
-    for case, _ in plans[1:]:
-        names = dict.fromkeys(name for _, p, _ in samples[case] for name in p)
-        medians = {n: statistics.median(p.get(n, 0.0) for _, p, _ in samples[case]) for n in names}
-        breakdown[f"{case} {size}"] = {n: round(v * 1e3, 2) for n, v in medians.items()}
-        if samples[case][0][2] is not None:
-            raw = statistics.median(s[2] for s in samples[case])
-            breakdown[f"{case} {size}"]["raw read (limit's part)"] = round(raw * 1e3, 2)
-    return results, breakdown
-
-
-def print_breakdown(breakdown: dict[str, dict[str, float]]) -> None:
-    """Each case's phases (medians, ms) as columns, one row per case."""
-    names = list(dict.fromkeys(n for phases_ in breakdown.values() for n in phases_))
-    width = max(len(c) for c in breakdown)
-    print("\nwhere the time goes (medians, ms; kvtier's trace)")
-    print("case".ljust(width) + "".join(f"  {n:>{max(len(n), 6)}}" for n in names))
-    for case, p in breakdown.items():
-        cells = "".join(f"  {p[n]:>{max(len(n), 6)}.1f}" if n in p else
-                        f"  {'-':>{max(len(n), 6)}}" for n in names)  # fmt: skip
-        print(case.ljust(width) + cells)
+    return results(samples, f"{n_tokens}-token prompt")
 
 
 def main() -> int:
@@ -334,20 +228,6 @@ def main() -> int:
     if args.out:
         write_json(args.out, BENCHMARK, results, machine_info(), {"breakdown": breakdown})
     return 0
-
-
-def redis_reachable(url: str) -> bool:
-    try:
-        return bool(redis.Redis.from_url(url, socket_timeout=1).ping())
-    except redis.RedisError:
-        return False
-
-
-def delete_prefix(url: str, prefix: str) -> None:
-    client = redis.Redis.from_url(url)
-    keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
-    if keys:
-        client.delete(*keys)
 
 
 if __name__ == "__main__":
