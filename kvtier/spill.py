@@ -717,9 +717,10 @@ class SpillManager:
 
     def _reserve(self, tier: SpillTier, nbytes: int, blocks: int) -> bool:
         """Count ``nbytes`` as queued for a write; False (and the blocks dropped) when the
-        queue is full, i.e. the tier is not keeping up."""
+        queue is full, i.e. the tier is not keeping up. A write larger than the whole
+        bound is taken when nothing else is queued: else it could never be written."""
         with self._lock:
-            if self._pending + nbytes > self._max_pending:
+            if self._pending and self._pending + nbytes > self._max_pending:
                 self._stats[tier.name].dropped += blocks
                 return False
             self._pending += nbytes

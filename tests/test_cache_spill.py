@@ -63,10 +63,12 @@ def fake_redis(chunk_blocks: int = 8) -> RedisTier:
     return RedisTier(fakeredis.FakeRedis(), "test", chunk_blocks, ttl=None)
 
 
-def spill_manager(tiers: list, write_through: list[str], host: HostPool) -> SpillManager:
+def spill_manager(
+    tiers: list, write_through: list[str], host: HostPool, max_pending_bytes: int = 1 << 30
+) -> SpillManager:
     """A spill manager over ``host`` (guarded by a lock of its own), one write worker."""
     return SpillManager(
-        tiers, write_through, host, threading.Lock(), write_workers=1, max_pending_bytes=1 << 30
+        tiers, write_through, host, threading.Lock(), 1, max_pending_bytes=max_pending_bytes
     )
 
 
@@ -306,6 +308,34 @@ def test_a_stuck_write_through_does_not_keep_its_slots_pinned():
     gate.set()
     spill.flush()
     assert all(redis.contains_many(host.cached_blocks(slots[3::4]).hashes))
+    spill.close()
+
+
+def test_a_write_larger_than_the_bound_on_bytes_in_flight_goes_when_nothing_else_is_queued():
+    host, slots = host_with_chain(8)
+    redis = fake_redis(chunk_blocks=4)
+    spill = spill_manager([redis], ["redis"], host, max_pending_bytes=1)
+    spill.on_host_publish(host.cached_blocks(slots))  # two chunks of 4 KiB in one write
+    spill.flush()
+    assert all(redis.contains_many(host.cached_blocks(slots[3::4]).hashes))
+    assert spill.counters()["redis"].dropped == 0
+    spill.close()
+
+
+def test_a_write_past_the_bound_while_another_is_queued_is_dropped_and_counted():
+    host, slots = host_with_chain(8)
+    redis = fake_redis(chunk_blocks=4)
+    gate, put_many = threading.Event(), redis.put_many
+    redis.put_many = lambda items, only_new=False: gate.wait(10) and put_many(items, only_new)
+    host.free(slots)
+    spill = spill_manager([redis], ["redis"], host, max_pending_bytes=1)
+    spill.on_host_publish(host.cached_blocks(slots[:4]))  # queued: its write gets stuck
+    wait_until(lambda: host.num_free == 8, 10, "the first encode to unpin its slots", 0.001)
+    spill.on_host_publish(host.cached_blocks(slots[4:]))  # past the bound: dropped
+    gate.set()
+    spill.flush()
+    assert redis.contains_many(host.cached_blocks(slots[3::4]).hashes) == [True, False]
+    assert spill.counters()["redis"].dropped == 4
     spill.close()
 
 
