@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import random
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -53,19 +55,12 @@ class RawReader:
 
     def seconds(self, n: int, repeats: int = 3) -> float:
         """Seconds to read ``n`` stored values into a staging buffer: the fastest of
-        ``repeats`` reads (the first one maps the pages into this process), of the first
-        ``n`` values in the store's order (the benchmarks store values of one size)."""
+        ``repeats`` reads (the first one maps the pages in), of the first ``n`` values in
+        the store's order (the benchmarks store values of one size). An LMDB store is
+        read from a process of its own: the cache may have it open in this one."""
         if self._disk is not None:
-            with lmdb.open(str(self._disk), readonly=True, max_dbs=8) as env:
-                db = env.open_db(b"data", create=False)
-                with env.begin(db=db) as txn:
-                    keys = [k for k, _ in zip(txn.cursor().iternext(values=False), range(n))]
-
-                def read() -> None:
-                    with env.begin(db=db, buffers=True) as txn:
-                        _stage([txn.get(k) for k in keys])
-
-                return min(_timed(read) for _ in range(repeats))
+            args = [sys.executable, __file__, str(self._disk), str(n), str(repeats)]
+            return float(subprocess.run(args, capture_output=True, text=True, check=True).stdout)
         client = redis.Redis.from_url(self._url)
         keys = list(client.scan_iter(match=f"{self._prefix}*", count=1000))[:n]
 
@@ -79,6 +74,20 @@ class RawReader:
             return min(_timed(read) for _ in range(repeats))
         finally:
             client.close()
+
+
+def _lmdb_seconds(path: str, n: int, repeats: int) -> float:
+    """``RawReader.seconds`` of an LMDB store, in this process."""
+    with lmdb.open(path, readonly=True, max_dbs=8) as env:
+        db = env.open_db(b"data", create=False)
+        with env.begin(db=db) as txn:
+            keys = [k for k, _ in zip(txn.cursor().iternext(values=False), range(n))]
+
+        def read() -> None:
+            with env.begin(db=db, buffers=True) as txn:
+                _stage([txn.get(k) for k in keys])
+
+        return min(_timed(read) for _ in range(repeats))
 
 
 def results(
@@ -158,3 +167,7 @@ def _timed(fn: Callable[[], None]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+if __name__ == "__main__":  # RawReader's reader of an LMDB store: PATH N REPEATS
+    print(_lmdb_seconds(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
