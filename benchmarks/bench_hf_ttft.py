@@ -4,9 +4,9 @@ prompt: recompute vs a kvtier hit from each tier, each spill tier against its li
 The model is kvtier's demo Llama (4 layers, hidden 512, 8 heads, 4 KV heads, float32;
 random weights, no download) in transformers, served by ``CachedLM`` with a GPU pool
 (here on the CPU) that holds one prompt. Every timed prompt is one long shared prefix
-plus a question of its own, after an unrelated prompt that pushes the prefix out of
-the GPU pool (and, below it, out of a host pool of one prompt that takes each block as
-it is committed); TTFT is
+(whole 128-token chunks) plus a question of its own (one chunk), after an unrelated
+prompt that pushes the prefix out of the GPU pool (and, below it, out of a host pool of
+one prompt that takes each block as it is committed); TTFT is
 ``Generation.ttft_seconds`` (lookup to the first token chosen), ms.
 
 - ``recompute``: ``model.generate`` without kvtier: the whole prompt is computed.
@@ -51,9 +51,12 @@ from kvtier.progress import progress
 from kvtier.trace import phases, read_trace
 
 BENCHMARK = "bench_hf_ttft"
-QUESTION_TOKENS = 24
 BLOCK = 16  # tokens per kvtier block
 CHUNK = 8  # blocks per spill value: 1 MiB of the demo Llama's float32 KV
+# A spill tier stores whole chunks of a chain, so it holds a shared prefix only up to
+# the last chunk boundary inside it: the prefix is a whole number of chunks, so that
+# every tier can hold all of it and the cases differ only in where it comes from.
+QUESTION_TOKENS = CHUNK * BLOCK
 KV_PER_TOKEN = 8192
 NEW_TOKENS = 4
 
