@@ -397,7 +397,7 @@ def test_error_unknown_nested_key_suggests_nearest() -> None:
     assert_names(
         error,
         "tiers.disk.chunk_blcks: unknown key; did you mean 'chunk_blocks'?",
-        "valid keys: capacity, chunk_blocks, path, required, write_policy",
+        "valid keys: capacity, chunk_blocks, eviction, path, required, write_policy",
     )
 
 
@@ -452,6 +452,19 @@ def test_error_layout_kv_factor_out_of_range() -> None:
 def test_error_unknown_hashing_algorithm() -> None:
     error = config_error({"hashing": {"algorithm": "md5"}})
     assert_names(error, "hashing.algorithm", "'md5'", "one of 'xxh3_128', 'sha256'")
+
+
+@pytest.mark.parametrize("tier", ["gpu", "cpu", "disk"])
+def test_error_unknown_eviction_policy_names_the_tiers_key(tier: str) -> None:
+    error = config_error({"tiers": {tier: {"eviction": "lfu"}}})
+    assert error.value == "lfu"
+    assert_names(error, f"tiers.{tier}.eviction", "'lfu'", "one of 'lru', 'reuse'")
+
+
+@pytest.mark.parametrize("tier", ["gpu", "cpu", "disk"])
+def test_each_tier_that_evicts_takes_its_own_eviction_policy(tier: str) -> None:
+    tiers = parse_config({"tiers": {"cpu": {}, "disk": {}, tier: {"eviction": "reuse"}}}).tiers
+    assert getattr(tiers, tier).eviction == "reuse"
 
 
 def test_error_unknown_write_policy() -> None:
