@@ -53,10 +53,10 @@ __all__ = [
 ]
 
 POLICIES: tuple[str, ...] = get_args(EvictionPolicy)
-# ``UseCounts`` remembers this many times the blocks the tiers hold together (about
-# 100 bytes each): a block used again after longer than that counts as new. On the
-# shared Mooncake trace at 5.5% of its blocks, 4 times kept a third of the gain of an
-# unbounded history, 16 times all of it.
+# ``UseCounts`` remembers this many times the blocks the memory tiers (GPU and host
+# pools) hold, plus the blocks the disk tier holds, at about 100 bytes each: a block
+# used again after longer than that counts as new. On the shared Mooncake trace at
+# 5.5% of its blocks, 4 times kept half the gain of an unbounded history, 16 times all.
 USE_HISTORY_FACTOR = 16
 
 
@@ -78,13 +78,11 @@ def with_policy(config: KVTierConfig, policy: EvictionPolicy) -> KVTierConfig:
 
 
 def use_counts_for(config: KVTierConfig, layout: KVLayout, gpu_blocks: int) -> UseCounts | None:
-    """The use counts a cache's tiers share when any of them evicts by ``reuse``
-    (None when none does), sized for ``gpu_blocks`` (0 when the engine owns them) plus
-    the host pool's and the disk tier's capacity in blocks."""
+    """The use counts a cache's tiers share when any of them evicts by ``reuse`` (None
+    when none does), sized by ``USE_HISTORY_FACTOR`` from ``gpu_blocks`` (0 when the
+    engine owns them) and the host pool's and the disk tier's capacity in blocks."""
     tiers = config.tiers
     if "reuse" not in policies_of(config).values():
         return None
-    held = gpu_blocks + sum(
-        s.capacity // layout.block_nbytes for s in (tiers.cpu, tiers.disk) if s is not None
-    )
-    return UseCounts(USE_HISTORY_FACTOR * max(held, 1))
+    host, disk = (s.capacity // layout.block_nbytes if s else 0 for s in (tiers.cpu, tiers.disk))
+    return UseCounts(max(USE_HISTORY_FACTOR * (gpu_blocks + host) + disk, 1))
