@@ -24,6 +24,7 @@ from kvtier.plot import PlotUnavailable, plot_replay, pyplot
 from kvtier.progress import progress
 from kvtier.replay import optimal_hits, read_trace, replay, sized_to_shares
 from kvtier.tiers.base import TierError
+from kvtier.tracegen import WorkloadShape, generate, write_trace
 from kvtier.workloads import ChatShape
 
 
@@ -163,6 +164,19 @@ def replay_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def make_workload(args: argparse.Namespace) -> int:
+    """Write a synthetic trace (chats, RAG, agent loops, one-offs) in Mooncake's format."""
+    shape = WorkloadShape(duration_s=args.duration)
+    lines = generate(shape, args.seed)
+    try:
+        write_trace(args.out, lines)
+    except OSError as e:
+        raise UsageError(f"cannot write {args.out}: {e}") from None
+    distinct = len({h for line in lines for h in line["hash_ids"]})
+    print(f"{len(lines)} requests, {distinct} distinct blocks of 512 tokens -> {args.out}")
+    return 0
+
+
 def _config(path: str | None) -> KVTierConfig:
     return default_config() if path is None else load_config(path)
 
@@ -284,6 +298,19 @@ def build_parser() -> argparse.ArgumentParser:
         "distinct blocks (without DISK: no disk tier), e.g. 0.5,5,30",
     )
     r.set_defaults(func=replay_trace)
+    w = sub.add_parser(
+        "workload",
+        help="write a synthetic trace (chats, RAG, agent loops, one-offs) to replay",
+    )
+    w.add_argument("out", help="JSONL trace to write (Mooncake's format)")
+    w.add_argument("--seed", type=int, default=0, help="the same seed writes the same trace")
+    w.add_argument(
+        "--duration",
+        type=_positive_float,
+        default=WorkloadShape.duration_s,
+        help=f"seconds during which sessions start (default {WorkloadShape.duration_s:g})",
+    )
+    w.set_defaults(func=make_workload)
     config_help = "YAML config (default: the embedded default)"
     s = sub.add_parser("stats", help="what each configured spill tier holds")
     s.add_argument("--config", help=config_help)
@@ -315,6 +342,16 @@ def _shares(text: str) -> tuple[float, ...]:
             f"expected 2 or 3 percentages in (0, 100] joined by commas, got {text!r}"
         )
     return shares
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
 
 
 def _positive_int(text: str) -> int:
