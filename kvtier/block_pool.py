@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtier._core import BlockTable, UseCounts
-from kvtier.config import DEFAULT_EVICTION, EvictionPolicy
+from kvtier.config import EvictionPolicy
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ class BlockPool:
         self,
         num_blocks: int,
         on_evict: EvictionHook | None = None,
-        eviction: EvictionPolicy = DEFAULT_EVICTION,
+        eviction: EvictionPolicy = "lru",
         uses: UseCounts | None = None,
     ) -> None:
         if num_blocks <= 0:

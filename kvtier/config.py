@@ -31,7 +31,6 @@ HostWritePolicy = Literal["on_evict", "eager"]
 SpillWritePolicy = Literal["write_back", "write_through"]
 CertReqs = Literal["required", "optional", "none"]
 EvictionPolicy = Literal["lru", "reuse"]  # kvtier.eviction describes them
-DEFAULT_EVICTION: EvictionPolicy = "lru"
 
 SPILL_TIERS: tuple[str, ...] = ("disk", "redis")  # also the default spill order
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -73,13 +72,14 @@ class GPUTierConfig:
 
     At most one of the two may be set; with neither, ``num_blocks`` is 1024.
     ``device`` is ``"auto"`` or a torch device string (checked for syntax only).
-    ``eviction`` orders its free queue (``kvtier.eviction``).
+    ``eviction`` orders its free queue (``kvtier.eviction``; ``reuse`` gained nothing
+    measurable in the GPU pool, below which the host pool and disk keep what it drops).
     """
 
     num_blocks: int | None = None
     capacity: int | None = None
     device: str = "auto"
-    eviction: EvictionPolicy = DEFAULT_EVICTION
+    eviction: EvictionPolicy = "lru"
 
     def __post_init__(self) -> None:
         if self.num_blocks is not None and self.capacity is not None:
@@ -118,7 +118,7 @@ class CPUTierConfig:
     capacity: int = 4 * GiB
     pin_memory: bool | None = None
     write_policy: HostWritePolicy = "on_evict"
-    eviction: EvictionPolicy = DEFAULT_EVICTION
+    eviction: EvictionPolicy = "reuse"
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ class DiskTierConfig:
     chunk_blocks: int = 16
     write_policy: SpillWritePolicy = "write_back"
     required: bool = False
-    eviction: EvictionPolicy = DEFAULT_EVICTION
+    eviction: EvictionPolicy = "reuse"
 
     @property
     def resolved_path(self) -> Path:
@@ -637,7 +637,7 @@ def _read_tiers(sec: _Section) -> TiersConfig:
             num_blocks=gpu.get("num_blocks", _optional(_positive_int), None),
             capacity=gpu.get("capacity", _optional(parse_size), None),
             device=gpu.get("device", _device, "auto"),
-            eviction=gpu.get("eviction", _eviction, DEFAULT_EVICTION),
+            eviction=gpu.get("eviction", _eviction, GPUTierConfig.eviction),
         ),
         cpu=_read_cpu(sec.section("cpu", CPUTierConfig)) if sec.has("cpu") else None,
         disk=_read_disk(sec.section("disk", DiskTierConfig)) if sec.has("disk") else None,

@@ -12,7 +12,7 @@ import torch
 
 from kvtier._core import UseCounts
 from kvtier.block_pool import BlockPool, EvictionHook
-from kvtier.config import DEFAULT_EVICTION, EvictionPolicy
+from kvtier.config import EvictionPolicy
 from kvtier.layout import KVLayout
 
 
@@ -26,7 +26,7 @@ class GPUBlockPool(BlockPool):
         layout: KVLayout,
         device: torch.device | str = "cpu",
         on_evict: EvictionHook | None = None,
-        eviction: EvictionPolicy = DEFAULT_EVICTION,
+        eviction: EvictionPolicy = "lru",
         uses: UseCounts | None = None,
     ) -> None:
         super().__init__(num_blocks, on_evict, eviction, uses)

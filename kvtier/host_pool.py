@@ -21,7 +21,7 @@ import torch
 
 from kvtier._core import UseCounts
 from kvtier.block_pool import BlockPool, EvictionHook
-from kvtier.config import DEFAULT_EVICTION, EvictionPolicy
+from kvtier.config import EvictionPolicy
 from kvtier.layout import KVLayout
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ class HostPool(BlockPool):
         layout: KVLayout,
         pin_memory: bool | None = None,
         on_evict: EvictionHook | None = None,
-        eviction: EvictionPolicy = DEFAULT_EVICTION,
+        eviction: EvictionPolicy = "lru",
         uses: UseCounts | None = None,
     ) -> None:
         super().__init__(num_slots, on_evict, eviction, uses)
@@ -75,7 +75,7 @@ class HostPool(BlockPool):
         layout: KVLayout,
         pin_memory: bool | None = None,
         on_evict: EvictionHook | None = None,
-        eviction: EvictionPolicy = DEFAULT_EVICTION,
+        eviction: EvictionPolicy = "lru",
         uses: UseCounts | None = None,
     ) -> HostPool:
         """As many slots as ``capacity`` bytes hold (at least one)."""

@@ -461,10 +461,22 @@ def test_error_unknown_eviction_policy_names_the_tiers_key(tier: str) -> None:
     assert_names(error, f"tiers.{tier}.eviction", "'lfu'", "one of 'lru', 'reuse'")
 
 
+def test_the_gpu_pool_evicts_by_lru_and_the_host_pool_and_disk_by_reuse_by_default() -> None:
+    tiers = parse_config({"tiers": {"cpu": {}, "disk": {}}}).tiers
+    assert (tiers.gpu.eviction, tiers.cpu.eviction, tiers.disk.eviction) == (
+        "lru",
+        "reuse",
+        "reuse",
+    )
+
+
 @pytest.mark.parametrize("tier", ["gpu", "cpu", "disk"])
 def test_each_tier_that_evicts_takes_its_own_eviction_policy(tier: str) -> None:
-    tiers = parse_config({"tiers": {"cpu": {}, "disk": {}, tier: {"eviction": "reuse"}}}).tiers
-    assert getattr(tiers, tier).eviction == "reuse"
+    sections = {"gpu": {"eviction": "reuse"}, "cpu": {"eviction": "reuse"}, "disk": {}}
+    sections[tier] = {"eviction": "lru"}
+    tiers = parse_config({"tiers": sections}).tiers
+    policies = {name: getattr(tiers, name).eviction for name in sections}
+    assert policies == {name: "lru" if name == tier else "reuse" for name in sections}
 
 
 def test_error_unknown_write_policy() -> None:

@@ -15,6 +15,7 @@ from test_block_table import Reference, key
 from kvtier.block_manager import BlockManager
 from kvtier.cache import TieredCache
 from kvtier.config import parse_config
+from kvtier.connector import ConnectorCache, ConnectorHit, EngineKV, engine_layout
 from kvtier.eviction import REUSE_DELTA0, REUSE_DELTA_MAX, REUSE_STEP
 from kvtier.gpu_pool import GPUBlockPool
 from kvtier.hashing import BlockHasher, namespace_root
@@ -416,3 +417,19 @@ def test_a_cache_whose_tiers_all_evict_by_lru_keeps_no_use_counts() -> None:
     with small_cache("lru") as cache:
         assert cache.uses is None
         assert cache.gpu.eviction == cache.host.eviction == "lru"
+
+
+def test_a_connector_worker_counts_the_blocks_it_saves_and_loads_as_uses() -> None:
+    kv = EngineKV([torch.zeros(8, 2, 4, 1, 2) for _ in range(2)])  # 8 blocks, 2 layers
+    layout = engine_layout(kv, block_size=4, num_kv_heads=1, head_dim=2)
+    config = parse_config({"tiers": {"cpu": {"capacity": 16 * layout.block_nbytes}}})
+    cache = ConnectorCache(config, kv, layout, "model", "rank0")
+    try:
+        keys = cache.keys([key(0), key(1)])
+        cache.save([0, 1], keys, cache.root, 0)  # computed by one request
+        cache.pin("r", keys, cache.root, ConnectorHit(0, host_blocks=2), [2, 3])  # hit by another
+        assert cache.uses.counts(keys) == [2, 2]
+        assert cache.host.eviction == "reuse"
+    finally:
+        cache.abandon("r")
+        cache.close()

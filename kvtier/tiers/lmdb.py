@@ -120,7 +120,7 @@ from typing import TypeVar
 
 import lmdb
 
-from kvtier.config import DEFAULT_EVICTION, DiskTierConfig, EvictionPolicy
+from kvtier.config import DiskTierConfig, EvictionPolicy
 from kvtier.tiers.base import Buffer, SpillTier, TierError, TierUsage, ValueSink
 from kvtier.tiers.lmdb_order import ORDERS, OrderState
 
@@ -224,7 +224,8 @@ _open_stores_lock = threading.Lock()
 
 class LMDBTier(SpillTier):
     """A disk spill tier: an LMDB store of at most ``capacity`` value bytes, evicted in
-    the order of the ``eviction`` policy (``kvtier.eviction``).
+    the order of the ``eviction`` policy (``kvtier.eviction``; the config's default is
+    ``reuse``, which needs the owner to set ``uses``).
 
     ``map_size`` overrides the initial memory-map size (bytes; it grows on demand).
     Raises ``TierError`` if the store cannot be opened, ``ValueError`` for bad arguments.
@@ -238,7 +239,7 @@ class LMDBTier(SpillTier):
         name: str = "disk",
         *,
         map_size: int | None = None,
-        eviction: EvictionPolicy = DEFAULT_EVICTION,
+        eviction: EvictionPolicy = "lru",
     ) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity: expected a positive number of bytes, got {capacity!r}")
