@@ -720,28 +720,28 @@ id_list(const int64_t *ids, Py_ssize_t n)
 
 /* A queue of ids 0..n-1 in order of arrival, with lazy deletion: the entry at
  * position p for id b is live only while qpos[b] == base + p (qpos is the owner's,
- * one word per id; base tells apart two rings that share it: 0, or 2 * n). Taking an
- * id out only changes qpos[b]; a push appends at the tail; the oldest live entry is
- * found from the head. The ring has 2 * n entries and is compacted when its end is
+ * one word per id; the base, 0 or 2 * n, tells apart two rings that share it, and is
+ * given to each call: a constant 0 costs the common case nothing). Taking an id out
+ * only changes qpos[b]; a push appends at the tail; the oldest live entry is found
+ * from the head. The ring has 2 * n entries and is compacted when its end is
  * reached, so a compaction frees at least n entries (amortised O(1) per push). A
  * ring, not a linked list: walking it is sequential, where a list chases one pointer
  * (one cache miss in a large pool) per id. */
 typedef struct {
     int64_t *ids; /* 2 * n */
     Py_ssize_t head, tail;
-    int64_t base;
 } Ring;
 
 /* Move the live entries to the front, in order. */
 static void
-ring_compact(Ring *r, int64_t *qpos)
+ring_compact(Ring *r, int64_t *qpos, int64_t base)
 {
     Py_ssize_t w = 0;
     for (Py_ssize_t p = r->head; p < r->tail; p++) {
         int64_t b = r->ids[p];
-        if (qpos[b] == r->base + p) {
+        if (qpos[b] == base + p) {
             r->ids[w] = b;
-            qpos[b] = r->base + w++;
+            qpos[b] = base + w++;
         }
     }
     r->head = 0;
@@ -750,19 +750,19 @@ ring_compact(Ring *r, int64_t *qpos)
 
 /* Append b (not queued in this ring's table) as the newest entry. */
 static inline void
-ring_push(Ring *r, int64_t *qpos, Py_ssize_t n, int64_t b)
+ring_push(Ring *r, int64_t *qpos, Py_ssize_t n, int64_t b, int64_t base)
 {
     if (r->tail == 2 * n)
-        ring_compact(r, qpos); /* at most n live entries: room for n more */
+        ring_compact(r, qpos, base); /* at most n live entries: room for n more */
     r->ids[r->tail] = b;
-    qpos[b] = r->base + r->tail++;
+    qpos[b] = base + r->tail++;
 }
 
 /* The first live position at or after p (the tail when there is none). */
 static inline Py_ssize_t
-ring_live_from(const Ring *r, const int64_t *qpos, Py_ssize_t p)
+ring_live_from(const Ring *r, const int64_t *qpos, Py_ssize_t p, int64_t base)
 {
-    while (p < r->tail && qpos[r->ids[p]] != r->base + p)
+    while (p < r->tail && qpos[r->ids[p]] != base + p)
         p++;
     return p;
 }
@@ -885,7 +885,7 @@ UseCounts_record(UseCounts *self, PyObject *obj)
         }
         else {
             if (ix->size == self->capacity) { /* forget the least recently used */
-                Py_ssize_t p = ring_live_from(&self->ring, self->qpos, self->ring.head);
+                Py_ssize_t p = ring_live_from(&self->ring, self->qpos, self->ring.head, 0);
                 e = self->ring.ids[p];
                 self->ring.head = p + 1;
                 Key old = stored_key(ix, self->keys + e * KEY_NBYTES);
@@ -899,7 +899,7 @@ UseCounts_record(UseCounts *self, PyObject *obj)
             self->count[e] = 1;
             put(ix, s, &keys[i], e);
         }
-        ring_push(&self->ring, self->qpos, self->capacity, e);
+        ring_push(&self->ring, self->qpos, self->capacity, e, 0);
     }
     PyMem_Free(keys);
     Py_DECREF(seq);
@@ -997,10 +997,11 @@ static PyTypeObject UseCountsType = {
 #define REUSE_DELTA0 4.0   /* delta starts at this many times n ticks ... */
 #define REUSE_DELTA_MAX 16.0 /* ... and stays in [0, this many times n] */
 #define REUSE_STEP 4.0     /* ticks a ghost hit moves it, times the other list's share */
+#define PROTECTED(n) (2 * (int64_t)(n)) /* the protected ring's base (the first's is 0) */
 
 typedef struct {
     UseCounts *uses;
-    Ring protected;          /* base 2 * n */
+    Ring protected;          /* base PROTECTED(n) */
     int64_t *stamp;          /* tick at which a queued block was queued */
     int64_t tick;
     double delta;
@@ -1049,7 +1050,6 @@ reuse_new(UseCounts *uses, Py_ssize_t n)
         reuse_free(r);
         return NULL;
     }
-    r->protected.base = 2 * n;
     reuse_clear(r, n);
     return r;
 }
@@ -1087,13 +1087,28 @@ ghost_push(Reuse *r, Py_ssize_t n, int list, const unsigned char *h)
         r->ghost_head[list] = (slot + 1) % n;
         r->ghost_len[list]--;
     }
-    ghost_take(r, n, h); /* never there in practice: a hash is published before it is evicted */
+    Key k = stored_key(r->ghost, h);
+    uint64_t s = probe(r->ghost, &k, &found);
+    if (found) { /* never in practice: a hash is published before it is evicted */
+        r->ghost_live[r->ghost->table[s].value / n]--;
+        erase_slot(r->ghost, s);
+        s = probe(r->ghost, &k, &found);
+    }
     Py_ssize_t slot = (r->ghost_head[list] + r->ghost_len[list]++) % n;
     memcpy(r->ghost_keys + (list * n + slot) * KEY_NBYTES, h, KEY_NBYTES);
-    Key k = stored_key(r->ghost, h);
-    put(r->ghost, probe(r->ghost, &k, &found), &k, list * n + slot);
+    put(r->ghost, s, &k, list * n + slot);
     r->ghost_live[list]++;
 }
+
+/* Fetch ahead the ghost-index slot of the 16-byte hash at h (a macro: see
+ * PREFETCH_AHEAD_OF). */
+#define PREFETCH_GHOST(r, h)                                                      \
+    do {                                                                          \
+        uint64_t k0_, k1_;                                                        \
+        memcpy(&k0_, (h), 8);                                                     \
+        memcpy(&k1_, (h) + 8, 8);                                                 \
+        __builtin_prefetch(&(r)->ghost->table[home_slot((r)->ghost, k0_, k1_)]); \
+    } while (0)
 
 /* A hash published again: if a ghost list holds it, move delta as described above. */
 static void
@@ -1290,20 +1305,49 @@ table_mutable(const BlockTable *self)
     return 0;
 }
 
-/* Queue cached block b (ref 0, not queued): LRU, at the ring's tail; reuse, stamped,
- * at the tail of the ring its use count puts it in. */
-static inline void
-queue_block(BlockTable *t, int64_t b)
+/* Reuse: fetch ahead the use-count slot of block b's hash, which queueing it probes (a
+ * cache miss per block in a large table). A macro for the reason given at
+ * PREFETCH_AHEAD_OF. */
+#define PREFETCH_USES(t, b)                                                       \
+    do {                                                                          \
+        const HashIndex *ix_ = (t)->reuse->uses->index;                           \
+        uint64_t k0_, k1_;                                                        \
+        memcpy(&k0_, (t)->hash + (b) * KEY_NBYTES, 8);                            \
+        memcpy(&k1_, (t)->hash + (b) * KEY_NBYTES + 8, 8);                        \
+        __builtin_prefetch(&ix_->table[home_slot(ix_, k0_, k1_)]);               \
+    } while (0)
+
+/* Queue the blocks of ids[0:n] that reached ref 0, last first (free's second half):
+ * cached ones at the tail of their ring (LRU: the one ring; reuse: stamped, in the ring
+ * their use count picks), empty ones on the empty stack. Inlined once per policy, with
+ * ``reuse`` a constant, so that the LRU loop tests nothing more per block. */
+static inline __attribute__((always_inline)) void
+queue_freed(BlockTable *t, const int64_t *ids, Py_ssize_t n, const int reuse)
 {
     Reuse *r = t->reuse;
-    t->num_lru++;
-    if (r == NULL) {
-        ring_push(&t->lru, t->qpos, t->n, b);
-        return;
+    Py_ssize_t first_empty = t->num_empty;
+    for (Py_ssize_t i = n - 1; i >= 0; i--) {
+        int64_t b = ids[i];
+        if (reuse && i >= PREFETCH_AHEAD)
+            PREFETCH_USES(t, ids[i - PREFETCH_AHEAD]);
+        if (t->ref[b] != 0 || t->qpos[b] != -1)
+            continue; /* still held, or queued by a repeat of it later in ids */
+        if (t->pos[b] >= 0) {
+            if (reuse && uses_of(r->uses, t->hash + b * KEY_NBYTES) >= 2)
+                ring_push(&r->protected, t->qpos, t->n, b, PROTECTED(t->n));
+            else
+                ring_push(&t->lru, t->qpos, t->n, b, 0);
+            if (reuse)
+                r->stamp[b] = r->tick++;
+            t->num_lru++;
+        }
+        else {
+            t->empty[t->num_empty++] = b;
+            t->qpos[b] = -2; /* marks it stacked until this loop ends */
+        }
     }
-    r->stamp[b] = r->tick++;
-    int protected = uses_of(r->uses, t->hash + b * KEY_NBYTES) >= 2;
-    ring_push(protected ? &r->protected : &t->lru, t->qpos, t->n, b);
+    for (Py_ssize_t i = first_empty; i < t->num_empty; i++)
+        t->qpos[t->empty[i]] = -1;
 }
 
 /* Reuse: the next victim from probation position *p or protected position *q (each
@@ -1317,8 +1361,8 @@ reuse_victim(const BlockTable *t, Py_ssize_t *p, Py_ssize_t *q)
                          (*p < prob->tail && (double)r->stamp[prob->ids[*p]] - r->delta <=
                                                  (double)r->stamp[prot->ids[*q]]);
     int64_t b = from_probation ? prob->ids[(*p)++] : prot->ids[(*q)++];
-    *p = ring_live_from(prob, t->qpos, *p);
-    *q = ring_live_from(prot, t->qpos, *q);
+    *p = ring_live_from(prob, t->qpos, *p, 0);
+    *q = ring_live_from(prot, t->qpos, *q, PROTECTED(t->n));
     return b;
 }
 
@@ -1436,8 +1480,8 @@ BlockTable_allocate(BlockTable *self, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     else if (v < n) {
-        p = ring_live_from(&self->lru, self->qpos, p);
-        q = ring_live_from(&r->protected, self->qpos, r->protected.head);
+        p = ring_live_from(&self->lru, self->qpos, p, 0);
+        q = ring_live_from(&r->protected, self->qpos, r->protected.head, PROTECTED(self->n));
         while (v < n)
             out[v++] = reuse_victim(self, &p, &q);
     }
@@ -1474,9 +1518,19 @@ BlockTable_allocate(BlockTable *self, PyObject *const *args, Py_ssize_t nargs)
         self->lru.head = p;
         if (r != NULL) {
             r->protected.head = q;
-            for (Py_ssize_t i = 0; i < nv; i++)
-                ghost_push(r, self->n, self->qpos[victims[i]] >= r->protected.base,
+            for (Py_ssize_t i = 0; i < nv; i++) {
+                if (i + PREFETCH_AHEAD < nv) { /* its slot, and the slots of the hashes
+                                                   the pushes ahead may drop */
+                    PREFETCH_GHOST(r, self->hash + victims[i + PREFETCH_AHEAD] * KEY_NBYTES);
+                    for (int l = 0; l < 2; l++)
+                        if (r->ghost_len[l] == self->n) {
+                            Py_ssize_t ahead = (r->ghost_head[l] + PREFETCH_AHEAD) % self->n;
+                            PREFETCH_GHOST(r, r->ghost_keys + (l * self->n + ahead) * KEY_NBYTES);
+                        }
+                }
+                ghost_push(r, self->n, self->qpos[victims[i]] >= PROTECTED(self->n),
                            self->hash + victims[i] * KEY_NBYTES);
+            }
         }
     }
     self->num_lru -= nv;
@@ -1626,21 +1680,10 @@ BlockTable_free(BlockTable *self, PyObject *obj)
             return NULL;
         }
     }
-    Py_ssize_t first_empty = self->num_empty;
-    for (Py_ssize_t i = n - 1; i >= 0; i--) {
-        int64_t b = ids[i];
-        if (self->ref[b] != 0 || self->qpos[b] != -1)
-            continue; /* still held, or queued by a repeat of it later in ids */
-        if (self->pos[b] >= 0) {
-            queue_block(self, b);
-        }
-        else {
-            self->empty[self->num_empty++] = b;
-            self->qpos[b] = -2; /* marks it stacked until this loop ends */
-        }
-    }
-    for (Py_ssize_t i = first_empty; i < self->num_empty; i++)
-        self->qpos[self->empty[i]] = -1;
+    if (__builtin_expect(self->reuse == NULL, 1))
+        queue_freed(self, ids, n, 0);
+    else
+        queue_freed(self, ids, n, 1);
     PyMem_Free(ids);
     Py_RETURN_NONE;
 }
@@ -1791,14 +1834,14 @@ BlockTable_eviction_order(BlockTable *self, PyObject *Py_UNUSED(ignored))
     int64_t *order = PyMem_Malloc(sizeof(int64_t) * (self->num_lru ? self->num_lru : 1));
     if (order == NULL)
         return PyErr_NoMemory();
-    Py_ssize_t p = ring_live_from(&self->lru, self->qpos, self->lru.head);
+    Py_ssize_t p = ring_live_from(&self->lru, self->qpos, self->lru.head, 0);
     if (self->reuse == NULL) {
         for (Py_ssize_t v = 0; v < self->num_lru; v++)
-            order[v] = self->lru.ids[p], p = ring_live_from(&self->lru, self->qpos, p + 1);
+            order[v] = self->lru.ids[p], p = ring_live_from(&self->lru, self->qpos, p + 1, 0);
     }
     else {
         Ring *prot = &self->reuse->protected;
-        Py_ssize_t q = ring_live_from(prot, self->qpos, prot->head);
+        Py_ssize_t q = ring_live_from(prot, self->qpos, prot->head, PROTECTED(self->n));
         for (Py_ssize_t v = 0; v < self->num_lru; v++)
             order[v] = reuse_victim(self, &p, &q);
     }
