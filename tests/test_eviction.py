@@ -209,6 +209,17 @@ def test_reuse_evicts_a_protected_block_once_it_is_older_than_probation_by_delta
     assert t.eviction_order() == [protected, probation]
 
 
+def test_a_block_computed_again_after_eviction_is_admitted_by_the_uses_it_had() -> None:
+    t, uses = reuse_table(2)
+    uses.record([key(0)])
+    queue_chain(t, 0, 1)
+    t.free(t.allocate(2, None))  # evicted from every queue; the use counts keep it
+    uses.record([key(0)])  # a later request uses it again: computed anew
+    [again] = queue_chain(t, 0, 1)
+    [fresh] = queue_chain(t, 1, 1)
+    assert t.eviction_order() == [fresh, again]  # the older one is protected
+
+
 def test_lru_evicts_the_block_queued_longest_ago_whatever_its_uses() -> None:
     uses = UseCounts(10)
     t = BlockTable(4, "lru", uses)
