@@ -18,8 +18,14 @@ Cases (µs per block, lower is better), for prompts of 4k, 32k and 128k tokens
   Informational, no target.
 - ``cycle``: a cold request without hashing: lookup (miss), allocate (evicting),
   publish with precomputed hashes, free.
+- ``record``: with ``--eviction reuse`` only: ``UseCounts.record`` of a prompt's hashes
+  (what a request adds to the use counts, once). Informational, no target.
 - ``scaling OP PROMPT 1M/10k``: the 1M-block figure over the 10k-block one; the
   bookkeeping should cost the same per block whatever the pool size (<= 1.5x).
+
+``--eviction reuse`` runs the pool cases with the reuse policy (``kvtier.eviction``): each
+pool ranks by use counts of twice its size in which every other filling request's
+blocks were used twice, so both of its queues hold blocks.
 
 The KV layout is one byte per token so that a 1M-block pool fits anywhere: this
 measures bookkeeping, not memory traffic. Each repetition rebuilds the state it
@@ -30,7 +36,7 @@ before any pool exists. Cases run in rounds, each round taking a few samples of 
 case with the 10k and 1M pools side by side, so that a machine whose speed drifts
 (shared cores) skews no comparison.
 
-    python benchmarks/bench_gpu_pool.py [--quick] [--out FILE.json]
+    python benchmarks/bench_gpu_pool.py [--quick] [--eviction reuse] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ from _report import (
     summarize,
     write_json,
 )
+from kvtier._core import UseCounts
 
 from kvtier.block_manager import BlockManager
 from kvtier.gpu_pool import GPUBlockPool
@@ -81,9 +88,11 @@ TARGETS = {  # µs/block, on the value
     "free": 0.15,
     "append": None,
     "cycle": 0.6,
+    "record": None,
 }
 SCALING_TARGET = 1.5  # pool 1M over pool 10k, per block
 POOL_OPS = ("lookup", "allocate", "allocate empty", "free", "append", "cycle")
+REUSE_OPS = ("record",)
 
 Fn = Callable[[Any], Any]
 
@@ -133,9 +142,11 @@ class Case:
 class Bench:
     """The pools, the inputs and the cases of one run."""
 
-    def __init__(self, quick: bool) -> None:
+    def __init__(self, quick: bool, eviction: str) -> None:
         # rounds x samples per round; 4k prompts (cheap, noisier) take 4x the samples.
         self.rounds, self.per_round = (3, 3) if quick else (10, 5)
+        self.eviction = eviction
+        self.uses: dict[int, UseCounts] = {}  # reuse: each pool's, by id(pool)
         self.rng = np.random.default_rng(20240601)
         self.root = namespace_root("bench-model", LAYOUT.fingerprint)
         self.hasher = BlockHasher(self.root, BLOCK_SIZE)
@@ -155,16 +166,33 @@ class Bench:
         publish_chain(pool, ids, self.fresh_hashes(len(ids)), 0, self.root)
         pool.free(ids)
 
+    def pool(self, num_blocks: int) -> GPUBlockPool:
+        """An empty pool evicting by the run's policy (reuse: with use counts of its own)."""
+        if self.eviction == "lru":
+            return GPUBlockPool(num_blocks, LAYOUT, "cpu", on_evict=_no_op_hook)
+        uses = UseCounts(2 * num_blocks)
+        pool = GPUBlockPool(num_blocks, LAYOUT, "cpu", _no_op_hook, "reuse", uses)
+        self.uses[id(pool)] = uses
+        return pool
+
     def fill(self, pool: GPUBlockPool) -> None:
         """Make every free block of the pool a cached free block.
 
         Filled as a stream of finished requests of ``FILL_REQUEST`` blocks (allocate,
-        publish, free), so that the LRU order and the cache map's insertion order look
-        like a server's, not like one giant request's.
+        publish, free), so that the eviction order and the cache map's insertion order
+        look like a server's, not like one giant request's. Under reuse every other
+        request's blocks count two uses.
         """
-        while pool.num_free > pool.num_cached:
+        uses = self.uses.get(id(pool))
+        for i in itertools.count():
+            if pool.num_free <= pool.num_cached:
+                return
             ids = pool.allocate(min(FILL_REQUEST, pool.num_free - pool.num_cached))
-            publish_chain(pool, ids, self.fresh_hashes(len(ids)), 0, self.root)
+            hashes = self.fresh_hashes(len(ids))
+            if uses is not None and i % 2:
+                uses.record(hashes)
+                uses.record(hashes)
+            publish_chain(pool, ids, hashes, 0, self.root)
             pool.free(ids)
 
     def churn(self, pool: GPUBlockPool) -> None:
@@ -367,6 +395,20 @@ class Bench:
             )
         )
 
+    def add_record(self, pool: GPUBlockPool, prompt: str, pool_name: str) -> None:
+        nb = PROMPTS[prompt] // BLOCK_SIZE
+        self.add(
+            Case(
+                f"record {prompt} tokens pool {pool_name}",
+                "record",
+                prompt,
+                pool_name,
+                nb,
+                self.uses[id(pool)].record,
+                lambda: self.fresh_hashes(nb),
+            )
+        )
+
     def add_append(self, pool: GPUBlockPool, prompt: str, pool_name: str) -> None:
         manager = BlockManager(pool, self.hasher)
         num_prompt = PROMPTS[prompt]
@@ -425,20 +467,22 @@ class Bench:
         """Create the pools and their cases; 10k and 1M variants of a case sit side by side."""
         empty, full = {}, {}
         for name, n in POOLS.items():
-            empty[name] = GPUBlockPool(n, LAYOUT, "cpu", on_evict=_no_op_hook)
-            full[name] = GPUBlockPool(n, LAYOUT, "cpu", on_evict=_no_op_hook)
+            empty[name], full[name] = self.pool(n), self.pool(n)
             self.fill(full[name])
             self.churn(full[name])
             self.check_full(full[name])
+        cases = [
+            self.add_lookup,
+            self.add_allocate,
+            self.add_allocate_empty,
+            self.add_free,
+            self.add_append,
+            self.add_cycle,
+        ]
+        if self.eviction == "reuse":
+            cases.append(self.add_record)
         for prompt in PROMPTS:
-            for add in (
-                self.add_lookup,
-                self.add_allocate,
-                self.add_allocate_empty,
-                self.add_free,
-                self.add_append,
-                self.add_cycle,
-            ):
+            for add in cases:
                 for name in POOLS:
                     pools = empty if add == self.add_allocate_empty else full
                     add(pools[name], prompt, name)
@@ -476,7 +520,7 @@ class Bench:
                     higher_is_better=False,
                 )
             )
-        ops, pools, prompts = ["hash", *POOL_OPS], [None, *POOLS], list(PROMPTS)
+        ops, pools, prompts = ["hash", *POOL_OPS, *REUSE_OPS], [None, *POOLS], list(PROMPTS)
         order = {  # table order: operation, pool, prompt (cases were built prompt first)
             c.name: (ops.index(c.op), pools.index(c.pool), prompts.index(c.prompt))
             for c in self.cases
@@ -490,7 +534,7 @@ class Bench:
         small, large = POOLS
         per = {(c.op, c.prompt, c.pool): c.per_block() for c in self.cases if c.op and c.pool}
         rows = []
-        for op in POOL_OPS:
+        for op in (*POOL_OPS, *REUSE_OPS) if self.eviction == "reuse" else POOL_OPS:
             for prompt in PROMPTS:
                 a, b = per[(op, prompt, small)], per[(op, prompt, large)]
                 rows.append(
@@ -510,14 +554,19 @@ class Bench:
 
 
 def main() -> int:
-    args = standard_args(__doc__.split("\n", 1)[0]).parse_args()
-    bench = Bench(args.quick)
+    parser = standard_args(__doc__.split("\n", 1)[0])
+    parser.add_argument(
+        "--eviction", choices=["lru", "reuse"], default="lru", help="the pools' policy"
+    )
+    args = parser.parse_args()
+    bench = Bench(args.quick, args.eviction)
     load_before = os.getloadavg()[0]
     bench.run()
     results = bench.results()
     machine = machine_info("cpu")
     print(
-        f"{BENCHMARK}{' --quick' if args.quick else ''}: {machine['cpu']}, "
+        f"{BENCHMARK}{' --quick' if args.quick else ''} --eviction {args.eviction}: "
+        f"{machine['cpu']}, "
         f"{machine['cores']} cores, torch {machine['torch']}; {bench.rounds} rounds x "
         f"{bench.per_round} samples (x4 for 4k prompts), each after 1 warm-up; "
         f"load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after"

@@ -16,6 +16,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <math.h>
 #include <stdlib.h>
 #include <sys/mman.h>
 
@@ -700,21 +701,440 @@ static PyTypeObject HashIndexType = {
     .tp_as_sequence = &HashIndex_as_sequence,
 };
 
+/* A list of ints from n int64s. */
+static PyObject *
+id_list(const int64_t *ids, Py_ssize_t n)
+{
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        PyObject *v = PyLong_FromLongLong(ids[i]);
+        if (v == NULL)
+            Py_CLEAR(out);
+        else
+            PyList_SET_ITEM(out, i, v);
+    }
+    return out;
+}
+
+/* ------------------------------------------------------------------ Ring */
+
+/* A queue of ids 0..n-1 in order of arrival, with lazy deletion: the entry at
+ * position p for id b is live only while qpos[b] == base + p (qpos is the owner's,
+ * one word per id; the base, 0 or 2 * n, tells apart two rings that share it, and is
+ * given to each call: a constant 0 costs the common case nothing). Taking an id out
+ * only changes qpos[b]; a push appends at the tail; the oldest live entry is found
+ * from the head. The ring has 2 * n entries and is compacted when its end is
+ * reached, so a compaction frees at least n entries (amortised O(1) per push). A
+ * ring, not a linked list: walking it is sequential, where a list chases one pointer
+ * (one cache miss in a large pool) per id. */
+typedef struct {
+    int64_t *ids; /* 2 * n */
+    Py_ssize_t head, tail;
+} Ring;
+
+/* Move the live entries to the front, in order. */
+static void
+ring_compact(Ring *r, int64_t *qpos, int64_t base)
+{
+    Py_ssize_t w = 0;
+    for (Py_ssize_t p = r->head; p < r->tail; p++) {
+        int64_t b = r->ids[p];
+        if (qpos[b] == base + p) {
+            r->ids[w] = b;
+            qpos[b] = base + w++;
+        }
+    }
+    r->head = 0;
+    r->tail = w;
+}
+
+/* Append b (not queued in this ring's table) as the newest entry. */
+static inline void
+ring_push(Ring *r, int64_t *qpos, Py_ssize_t n, int64_t b, int64_t base)
+{
+    if (r->tail == 2 * n)
+        ring_compact(r, qpos, base); /* at most n live entries: room for n more */
+    r->ids[r->tail] = b;
+    qpos[b] = base + r->tail++;
+}
+
+/* The first live position at or after p (the tail when there is none). */
+static inline Py_ssize_t
+ring_live_from(const Ring *r, const int64_t *qpos, Py_ssize_t p, int64_t base)
+{
+    while (p < r->tail && qpos[r->ids[p]] != base + p)
+        p++;
+    return p;
+}
+
+/* ------------------------------------------------------------------ UseCounts */
+
+/* How many requests used each block, by block hash: what the reuse policy ranks by.
+ * It outlives the blocks (a block evicted and computed again is known), but holds
+ * only the ``capacity`` hashes used most recently: a full table forgets its least
+ * recently used entry. Entries are 0..size-1 (none is freed but to be reused at
+ * once); the ring orders them by last use. */
+typedef struct {
+    PyObject_HEAD
+    HashIndex *index;      /* hash -> entry */
+    Py_ssize_t capacity;
+    unsigned char *keys;   /* capacity x 16 bytes: each entry's hash */
+    int64_t *count;        /* requests that used it */
+    int64_t *qpos;         /* its ring position */
+    Ring ring;             /* entries, least recently used first */
+} UseCounts;
+
+static PyTypeObject UseCountsType;
+
+static inline Key
+stored_key(const HashIndex *ix, const unsigned char *h)
+{
+    Key k;
+    memcpy(&k.k0, h, 8);
+    memcpy(&k.k1, h + 8, 8);
+    k.home = home_slot(ix, k.k0, k.k1);
+    return k;
+}
+
+/* The count of a 16-byte hash: 0 when it is not held. */
+static inline int64_t
+uses_of(const UseCounts *u, const unsigned char *h)
+{
+    int found;
+    Key k = stored_key(u->index, h);
+    uint64_t s = probe(u->index, &k, &found);
+    return found ? u->count[u->index->table[s].value] : 0;
+}
+
+static int
+UseCounts_init(UseCounts *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"capacity", NULL};
+    Py_ssize_t n;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "n:UseCounts", kwlist, &n))
+        return -1;
+    if (n <= 0 || n > ((Py_ssize_t)1 << 40)) {
+        PyErr_Format(PyExc_ValueError, "capacity must be in [1, 2**40], got %zd", n);
+        return -1;
+    }
+    if (self->index != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "UseCounts is already initialised");
+        return -1;
+    }
+    self->index = (HashIndex *)PyObject_CallFunction((PyObject *)&HashIndexType, "n", n);
+    if (self->index == NULL)
+        return -1;
+    self->capacity = n;
+    self->keys = alloc_huge(n * KEY_NBYTES);
+    self->count = alloc_huge(n * sizeof(int64_t));
+    self->qpos = alloc_huge(n * sizeof(int64_t));
+    self->ring.ids = alloc_huge(2 * n * sizeof(int64_t));
+    if (!self->keys || !self->count || !self->qpos || !self->ring.ids) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+static void
+UseCounts_dealloc(UseCounts *self)
+{
+    Py_XDECREF(self->index);
+    free(self->keys);
+    free(self->count);
+    free(self->qpos);
+    free(self->ring.ids);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int
+uses_ready(const UseCounts *self)
+{
+    if (self->index == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "UseCounts was not initialised");
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(record_doc,
+"record(hashes) -> None: one more use of each of a request's blocks, given in chain\n"
+"order, each once. They become the most recently used entries, the chain's head\n"
+"last, so that a chain's tail is forgotten before its head.");
+
+static PyObject *
+UseCounts_record(UseCounts *self, PyObject *obj)
+{
+    PyObject *seq;
+    Key *keys;
+    if (uses_ready(self) < 0)
+        return NULL;
+    Py_ssize_t n = parse_keys(self->index, obj, &seq, &keys);
+    if (n < 0)
+        return NULL;
+    HashIndex *ix = self->index;
+    for (Py_ssize_t i = n - 1; i >= 0; i--) {
+        int found;
+        if (i >= PREFETCH_AHEAD)
+            __builtin_prefetch(&ix->table[keys[i - PREFETCH_AHEAD].home]);
+        uint64_t s = probe(ix, &keys[i], &found);
+        int64_t e;
+        if (found) {
+            e = ix->table[s].value;
+            self->count[e]++;
+        }
+        else {
+            if (ix->size == self->capacity) { /* forget the least recently used */
+                Py_ssize_t p = ring_live_from(&self->ring, self->qpos, self->ring.head, 0);
+                e = self->ring.ids[p];
+                self->ring.head = p + 1;
+                Key old = stored_key(ix, self->keys + e * KEY_NBYTES);
+                erase_slot(ix, probe(ix, &old, &found));
+                s = probe(ix, &keys[i], &found); /* the erase may have moved its slot */
+            }
+            else
+                e = ix->size;
+            memcpy(self->keys + e * KEY_NBYTES, &keys[i].k0, 8);
+            memcpy(self->keys + e * KEY_NBYTES + 8, &keys[i].k1, 8);
+            self->count[e] = 1;
+            put(ix, s, &keys[i], e);
+        }
+        ring_push(&self->ring, self->qpos, self->capacity, e, 0);
+    }
+    PyMem_Free(keys);
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(counts_doc,
+"counts(hashes) -> list[int]: the uses recorded of each hash (0: none remembered).");
+
+static PyObject *
+UseCounts_counts(UseCounts *self, PyObject *obj)
+{
+    PyObject *seq;
+    Key *keys;
+    if (uses_ready(self) < 0)
+        return NULL;
+    Py_ssize_t n = parse_keys(self->index, obj, &seq, &keys);
+    if (n < 0)
+        return NULL;
+    int64_t *counts = PyMem_Malloc(sizeof(int64_t) * (n ? n : 1));
+    PyObject *out = NULL;
+    if (counts == NULL)
+        PyErr_NoMemory();
+    else {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int found;
+            PREFETCH_AHEAD_OF(self->index, keys, i, n);
+            uint64_t s = probe(self->index, &keys[i], &found);
+            counts[i] = found ? self->count[self->index->table[s].value] : 0;
+        }
+        out = id_list(counts, n);
+    }
+    PyMem_Free(counts);
+    PyMem_Free(keys);
+    Py_DECREF(seq);
+    return out;
+}
+
+static Py_ssize_t
+UseCounts_len(UseCounts *self)
+{
+    return self->index ? self->index->size : 0;
+}
+
+static PyObject *
+UseCounts_get_capacity(UseCounts *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromSsize_t(self->capacity);
+}
+
+static PyMethodDef UseCounts_methods[] = {
+    {"record", (PyCFunction)UseCounts_record, METH_O, record_doc},
+    {"counts", (PyCFunction)UseCounts_counts, METH_O, counts_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef UseCounts_getset[] = {
+    {"capacity", (getter)UseCounts_get_capacity, NULL, "hashes it remembers at most", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PySequenceMethods UseCounts_as_sequence = {
+    .sq_length = (lenfunc)UseCounts_len,
+};
+
+PyDoc_STRVAR(UseCounts_doc,
+"UseCounts(capacity)\n\n"
+"How many requests used each block, by block hash, for the ``capacity`` hashes used\n"
+"most recently. Not thread-safe beyond the GIL: each method is one step under it.");
+
+static PyTypeObject UseCountsType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvtier._core.UseCounts",
+    .tp_basicsize = sizeof(UseCounts),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = UseCounts_doc,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)UseCounts_init,
+    .tp_dealloc = (destructor)UseCounts_dealloc,
+    .tp_methods = UseCounts_methods,
+    .tp_getset = UseCounts_getset,
+    .tp_as_sequence = &UseCounts_as_sequence,
+};
+
+/* ------------------------------------------------------------------ reuse policy */
+
+/* The state of the reuse eviction policy in one table of n blocks. Cached free blocks
+ * used by one request so far wait in the table's first ring (probation), those used
+ * by two or more (``uses``) in ``protected``; each is stamped with the tick at which
+ * it was queued. The victim is the older of the two heads, probation's aged by
+ * ``delta`` ticks: a block seen once is worth as much as a protected one ``delta``
+ * older. Two ghost lists remember the hashes last evicted from each ring (at most n
+ * each); a hash published again while in one moves ``delta``: back from probation,
+ * probation was too short (delta falls); back from protected, the reverse. */
+#define REUSE_DELTA0 4.0   /* delta starts at this many times n ticks ... */
+#define REUSE_DELTA_MAX 16.0 /* ... and stays in [0, this many times n] */
+#define REUSE_STEP 4.0     /* ticks a ghost hit moves it, times the other list's share */
+#define PROTECTED(n) (2 * (int64_t)(n)) /* the protected ring's base (the first's is 0) */
+
+typedef struct {
+    UseCounts *uses;
+    Ring protected;          /* base PROTECTED(n) */
+    int64_t *stamp;          /* tick at which a queued block was queued */
+    int64_t tick;
+    double delta;
+    HashIndex *ghost;        /* hash -> list * n + slot */
+    unsigned char *ghost_keys; /* two lists of n slots of 16 bytes, each circular */
+    Py_ssize_t ghost_head[2], ghost_len[2], ghost_live[2];
+} Reuse;
+
+static void
+reuse_free(Reuse *r)
+{
+    if (r == NULL)
+        return;
+    Py_XDECREF(r->uses);
+    Py_XDECREF(r->ghost);
+    free(r->protected.ids);
+    free(r->stamp);
+    free(r->ghost_keys);
+    PyMem_Free(r);
+}
+
+static void
+reuse_clear(Reuse *r, Py_ssize_t n)
+{
+    r->protected.head = r->protected.tail = 0;
+    r->tick = 0;
+    r->delta = REUSE_DELTA0 * n;
+    for (int l = 0; l < 2; l++)
+        r->ghost_head[l] = r->ghost_len[l] = r->ghost_live[l] = 0;
+}
+
+static Reuse *
+reuse_new(UseCounts *uses, Py_ssize_t n)
+{
+    Reuse *r = PyMem_Calloc(1, sizeof(Reuse));
+    if (r == NULL)
+        return (Reuse *)PyErr_NoMemory();
+    r->uses = (UseCounts *)Py_NewRef(uses);
+    r->ghost = (HashIndex *)PyObject_CallFunction((PyObject *)&HashIndexType, "n", 2 * n);
+    r->protected.ids = alloc_huge(2 * n * sizeof(int64_t));
+    r->stamp = alloc_huge(n * sizeof(int64_t));
+    r->ghost_keys = alloc_huge(2 * n * KEY_NBYTES);
+    if (r->ghost == NULL || !r->protected.ids || !r->stamp || !r->ghost_keys) {
+        if (!PyErr_Occurred())
+            PyErr_NoMemory();
+        reuse_free(r);
+        return NULL;
+    }
+    reuse_clear(r, n);
+    return r;
+}
+
+/* Take hash h out of the ghost lists; the list it was in (0: probation, 1: protected),
+ * or -1 when it was in neither. */
+static int
+ghost_take(Reuse *r, Py_ssize_t n, const unsigned char *h)
+{
+    int found;
+    Key k = stored_key(r->ghost, h);
+    uint64_t s = probe(r->ghost, &k, &found);
+    if (!found)
+        return -1;
+    int list = (int)(r->ghost->table[s].value / n);
+    erase_slot(r->ghost, s);
+    r->ghost_live[list]--;
+    return list;
+}
+
+/* Remember hash h as evicted from ``list``; the list's oldest slot goes when all n
+ * are taken (a slot whose hash came back since is already dead). */
+static void
+ghost_push(Reuse *r, Py_ssize_t n, int list, const unsigned char *h)
+{
+    int found;
+    if (r->ghost_len[list] == n) {
+        Py_ssize_t slot = r->ghost_head[list];
+        Key old = stored_key(r->ghost, r->ghost_keys + (list * n + slot) * KEY_NBYTES);
+        uint64_t s = probe(r->ghost, &old, &found);
+        if (found && r->ghost->table[s].value == list * n + slot) {
+            erase_slot(r->ghost, s);
+            r->ghost_live[list]--;
+        }
+        r->ghost_head[list] = (slot + 1) % n;
+        r->ghost_len[list]--;
+    }
+    Key k = stored_key(r->ghost, h);
+    uint64_t s = probe(r->ghost, &k, &found);
+    if (found) { /* never in practice: a hash is published before it is evicted */
+        r->ghost_live[r->ghost->table[s].value / n]--;
+        erase_slot(r->ghost, s);
+        s = probe(r->ghost, &k, &found);
+    }
+    Py_ssize_t slot = (r->ghost_head[list] + r->ghost_len[list]++) % n;
+    memcpy(r->ghost_keys + (list * n + slot) * KEY_NBYTES, h, KEY_NBYTES);
+    put(r->ghost, s, &k, list * n + slot);
+    r->ghost_live[list]++;
+}
+
+/* Fetch ahead the ghost-index slot of the 16-byte hash at h (a macro: see
+ * PREFETCH_AHEAD_OF). */
+#define PREFETCH_GHOST(r, h)                                                      \
+    do {                                                                          \
+        uint64_t k0_, k1_;                                                        \
+        memcpy(&k0_, (h), 8);                                                     \
+        memcpy(&k1_, (h) + 8, 8);                                                 \
+        __builtin_prefetch(&(r)->ghost->table[home_slot((r)->ghost, k0_, k1_)]); \
+    } while (0)
+
+/* A hash published again: if a ghost list holds it, move delta as described above. */
+static void
+reuse_returned(Reuse *r, Py_ssize_t n, const unsigned char *h)
+{
+    int list = ghost_take(r, n, h);
+    if (list < 0)
+        return;
+    Py_ssize_t mine = r->ghost_live[list], other = r->ghost_live[1 - list];
+    double step = REUSE_STEP * fmax(1.0, (double)other / (double)(mine > 1 ? mine : 1));
+    double delta = r->delta + (list == 0 ? -step : step);
+    r->delta = fmin(fmax(delta, 0.0), REUSE_DELTA_MAX * n);
+}
+
 /* ------------------------------------------------------------------ BlockTable */
 
 /* The per-block state of a pool (block_pool.py): ref counts, each block's hash, parent
- * hash and chain position, the LRU ring of cached free blocks and the stack of empty
+ * hash and chain position, the queue of cached free blocks and the stack of empty
  * ones, with the hash -> block map (a HashIndex) kept in step. It is in C because
  * every pool operation touches a few words per block: in numpy each such step is a
  * call of about a microsecond, which a request of a few blocks pays many times over.
  *
- * The LRU ring holds block ids in eviction order with lazy deletion: the entry at
- * ring position p for block b is live only while qpos[b] == p. A touch only clears
- * qpos[b]; a free appends at the tail; an allocation takes live entries from the
- * head. The ring has 2 * n entries and is compacted when its end is reached, so a
- * compaction frees at least n entries (amortised O(1) per block). A ring, not a
- * linked list: evicting walks it sequentially, where a list chases one pointer (one
- * cache miss in a large pool) per block. */
+ * The queue is a Ring in eviction order: a touch only clears qpos[b]; a free appends
+ * at the tail; an allocation takes live entries from the head. Under the reuse policy
+ * (``Reuse``) the ring holds the probation blocks and a second ring the protected
+ * ones, and an allocation merges their heads. */
 
 typedef struct {
     PyObject_HEAD
@@ -724,12 +1144,13 @@ typedef struct {
     int64_t *pos;            /* chain position of the hash the block holds; -1: none */
     unsigned char *hash;     /* n x 16 bytes, valid where pos >= 0 */
     unsigned char *parent;   /* n x 16 bytes, valid where pos >= 0 */
-    int64_t *qpos;           /* ring position of a queued block; -1: not queued */
-    int64_t *ring;           /* 2 * n */
-    Py_ssize_t head, tail, num_lru;
+    int64_t *qpos;           /* ring base + position of a queued block; -1: not queued */
+    Ring lru;                /* cached free blocks (reuse: those in probation), oldest first */
+    Py_ssize_t num_lru;      /* cached free blocks, in either ring */
     int64_t *empty;          /* stack of empty free blocks */
     Py_ssize_t num_empty;
     int in_hook;             /* allocate is calling on_evict: no change allowed */
+    Reuse *reuse;            /* the reuse policy's state; NULL: LRU */
 } BlockTable;
 
 /* The words of block b that the batch loops touch, fetched ahead: in a large pool each
@@ -788,39 +1209,27 @@ parse_ids(const BlockTable *t, PyObject *obj, int64_t **out)
     return n;
 }
 
-static PyObject *
-id_list(const int64_t *ids, Py_ssize_t n)
-{
-    PyObject *out = PyList_New(n);
-    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
-        PyObject *v = PyLong_FromLongLong(ids[i]);
-        if (v == NULL)
-            Py_CLEAR(out);
-        else
-            PyList_SET_ITEM(out, i, v);
-    }
-    return out;
-}
-
-static inline Key
-stored_key(const HashIndex *ix, const unsigned char *h)
-{
-    Key k;
-    memcpy(&k.k0, h, 8);
-    memcpy(&k.k1, h + 8, 8);
-    k.home = home_slot(ix, k.k0, k.k1);
-    return k;
-}
-
 static int
 BlockTable_init(BlockTable *self, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"num_blocks", NULL};
+    static char *kwlist[] = {"num_blocks", "policy", "uses", NULL};
     Py_ssize_t n;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "n:BlockTable", kwlist, &n))
+    const char *policy = "lru";
+    PyObject *uses = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "n|sO:BlockTable", kwlist, &n, &policy, &uses))
         return -1;
     if (n <= 0 || n > ((Py_ssize_t)1 << 40)) {
         PyErr_Format(PyExc_ValueError, "num_blocks must be in [1, 2**40], got %zd", n);
+        return -1;
+    }
+    int reuse = strcmp(policy, "reuse") == 0;
+    if (!reuse && strcmp(policy, "lru") != 0) {
+        PyErr_Format(PyExc_ValueError, "policy must be 'lru' or 'reuse', got '%s'", policy);
+        return -1;
+    }
+    if (uses == Py_None ? reuse : !PyObject_TypeCheck(uses, &UseCountsType)) {
+        PyErr_SetString(PyExc_TypeError, "uses must be a UseCounts (policy 'reuse' needs "
+                                         "one, 'lru' ignores it) or None");
         return -1;
     }
     if (self->index != NULL) {
@@ -836,13 +1245,16 @@ BlockTable_init(BlockTable *self, PyObject *args, PyObject *kwds)
     self->hash = alloc_huge(n * KEY_NBYTES);
     self->parent = alloc_huge(n * KEY_NBYTES);
     self->qpos = alloc_huge(n * sizeof(int64_t));
-    self->ring = alloc_huge(2 * n * sizeof(int64_t));
+    self->lru.ids = alloc_huge(2 * n * sizeof(int64_t));
     self->empty = alloc_huge(n * sizeof(int64_t));
     if (!self->ref || !self->pos || !self->hash || !self->parent || !self->qpos ||
-        !self->ring || !self->empty) {
+        !self->lru.ids || !self->empty) {
         PyErr_NoMemory();
         return -1;
     }
+    if (reuse && (uses_ready((UseCounts *)uses) < 0 ||
+                  (self->reuse = reuse_new((UseCounts *)uses, n)) == NULL))
+        return -1;
     for (Py_ssize_t b = 0; b < n; b++) {
         self->ref[b] = 0;
         self->pos[b] = -1;
@@ -850,7 +1262,7 @@ BlockTable_init(BlockTable *self, PyObject *args, PyObject *kwds)
         self->empty[b] = n - 1 - b; /* popped from the top: block 0 first */
     }
     self->num_empty = n;
-    self->head = self->tail = self->num_lru = 0;
+    self->lru.head = self->lru.tail = self->num_lru = 0;
     return 0;
 }
 
@@ -863,8 +1275,9 @@ BlockTable_dealloc(BlockTable *self)
     free(self->hash);
     free(self->parent);
     free(self->qpos);
-    free(self->ring);
+    free(self->lru.ids);
     free(self->empty);
+    reuse_free(self->reuse);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -892,35 +1305,70 @@ table_mutable(const BlockTable *self)
     return 0;
 }
 
-/* Move the live ring entries to the front, in order. */
-static void
-compact(BlockTable *t)
+/* Reuse: fetch ahead the use-count slot of block b's hash, which queueing it probes (a
+ * cache miss per block in a large table). A macro for the reason given at
+ * PREFETCH_AHEAD_OF. */
+#define PREFETCH_USES(t, b)                                                       \
+    do {                                                                          \
+        const HashIndex *ix_ = (t)->reuse->uses->index;                           \
+        uint64_t k0_, k1_;                                                        \
+        memcpy(&k0_, (t)->hash + (b) * KEY_NBYTES, 8);                            \
+        memcpy(&k1_, (t)->hash + (b) * KEY_NBYTES + 8, 8);                        \
+        __builtin_prefetch(&ix_->table[home_slot(ix_, k0_, k1_)]);               \
+    } while (0)
+
+/* Queue the blocks of ids[0:n] that reached ref 0, last first (free's second half):
+ * cached ones at the tail of their ring (LRU: the one ring; reuse: stamped, in the ring
+ * their use count picks), empty ones on the empty stack. Inlined once per policy, with
+ * ``reuse`` a constant, so that the LRU loop tests nothing more per block. */
+static inline __attribute__((always_inline)) void
+queue_freed(BlockTable *t, const int64_t *ids, Py_ssize_t n, const int reuse)
 {
-    Py_ssize_t w = 0;
-    for (Py_ssize_t p = t->head; p < t->tail; p++) {
-        int64_t b = t->ring[p];
-        if (t->qpos[b] == p) {
-            t->ring[w] = b;
-            t->qpos[b] = w++;
+    Reuse *r = t->reuse;
+    Py_ssize_t first_empty = t->num_empty;
+    for (Py_ssize_t i = n - 1; i >= 0; i--) {
+        int64_t b = ids[i];
+        if (reuse && i >= PREFETCH_AHEAD)
+            PREFETCH_USES(t, ids[i - PREFETCH_AHEAD]);
+        if (t->ref[b] != 0 || t->qpos[b] != -1)
+            continue; /* still held, or queued by a repeat of it later in ids */
+        if (t->pos[b] >= 0) {
+            if (reuse && uses_of(r->uses, t->hash + b * KEY_NBYTES) >= 2)
+                ring_push(&r->protected, t->qpos, t->n, b, PROTECTED(t->n));
+            else
+                ring_push(&t->lru, t->qpos, t->n, b, 0);
+            if (reuse)
+                r->stamp[b] = r->tick++;
+            t->num_lru++;
+        }
+        else {
+            t->empty[t->num_empty++] = b;
+            t->qpos[b] = -2; /* marks it stacked until this loop ends */
         }
     }
-    t->head = 0;
-    t->tail = w;
+    for (Py_ssize_t i = first_empty; i < t->num_empty; i++)
+        t->qpos[t->empty[i]] = -1;
 }
 
-static void
-push_lru(BlockTable *t, int64_t b)
+/* Reuse: the next victim from probation position *p or protected position *q (each
+ * live or its ring's tail; at least one is live); advances that one past it. */
+static inline int64_t
+reuse_victim(const BlockTable *t, Py_ssize_t *p, Py_ssize_t *q)
 {
-    if (t->tail == 2 * t->n)
-        compact(t); /* at most n live entries: room for n more */
-    t->ring[t->tail] = b;
-    t->qpos[b] = t->tail++;
-    t->num_lru++;
+    const Reuse *r = t->reuse;
+    const Ring *prob = &t->lru, *prot = &r->protected;
+    int from_probation = *q >= prot->tail ||
+                         (*p < prob->tail && (double)r->stamp[prob->ids[*p]] - r->delta <=
+                                                 (double)r->stamp[prot->ids[*q]]);
+    int64_t b = from_probation ? prob->ids[(*p)++] : prot->ids[(*q)++];
+    *p = ring_live_from(prob, t->qpos, *p, 0);
+    *q = ring_live_from(prot, t->qpos, *q, PROTECTED(t->n));
+    return b;
 }
 
 PyDoc_STRVAR(touch_doc,
 "touch(ids) -> None: take a reference on each block; a cached free block leaves the\n"
-"LRU queue. ValueError, changing nothing, for a free block that holds no hash.");
+"queue. ValueError, changing nothing, for a free block that holds no hash.");
 
 static PyObject *
 BlockTable_touch(BlockTable *self, PyObject *obj)
@@ -986,8 +1434,8 @@ done:
 
 PyDoc_STRVAR(allocate_doc,
 "allocate(n, on_evict) -> list[int]\n\n"
-"``n`` blocks with ref 1: empty blocks first, then the least recently used cached\n"
-"ones, which are evicted. Before anything changes, ``on_evict(ids, hashes,\n"
+"``n`` blocks with ref 1: empty blocks first, then cached ones in the policy's\n"
+"eviction order, which are evicted (reuse: their hashes join the ghost lists). Before anything changes, ``on_evict(ids, hashes,\n"
 "positions, parents)`` (if not None) sees the victims, in eviction order; if it\n"
 "raises, nothing changes. ValueError, changing nothing, when fewer than n are free.");
 
@@ -1020,13 +1468,22 @@ BlockTable_allocate(BlockTable *self, PyObject *const *args, Py_ssize_t nargs)
     for (Py_ssize_t i = 0; i < k; i++)
         out[i] = self->empty[self->num_empty - 1 - i];
     /* Find the victims without dequeuing them: the hook may still fail. */
-    Py_ssize_t v = k, p = self->head;
-    for (; v < n; p++) {
-        if (p + PREFETCH_AHEAD < self->tail)
-            __builtin_prefetch(&self->qpos[self->ring[p + PREFETCH_AHEAD]]);
-        int64_t b = self->ring[p];
-        if (self->qpos[b] == p)
-            out[v++] = b;
+    Py_ssize_t v = k, p = self->lru.head, q = 0;
+    Reuse *r = self->reuse;
+    if (r == NULL) {
+        for (; v < n; p++) {
+            if (p + PREFETCH_AHEAD < self->lru.tail)
+                __builtin_prefetch(&self->qpos[self->lru.ids[p + PREFETCH_AHEAD]]);
+            int64_t b = self->lru.ids[p];
+            if (self->qpos[b] == p)
+                out[v++] = b;
+        }
+    }
+    else if (v < n) {
+        p = ring_live_from(&self->lru, self->qpos, p, 0);
+        q = ring_live_from(&r->protected, self->qpos, r->protected.head, PROTECTED(self->n));
+        while (v < n)
+            out[v++] = reuse_victim(self, &p, &q);
     }
     int64_t *victims = out + k;
     Py_ssize_t nv = v - k;
@@ -1054,9 +1511,28 @@ BlockTable_allocate(BlockTable *self, PyObject *const *args, Py_ssize_t nargs)
         }
         Py_DECREF(res);
     }
-    /* Commit: the victims leave the ring and drop their hashes. */
+    /* Commit: the victims leave the rings (reuse: into the ghost lists) and drop their
+     * hashes. */
     self->num_empty -= k;
-    self->head = nv ? p : self->head;
+    if (nv) {
+        self->lru.head = p;
+        if (r != NULL) {
+            r->protected.head = q;
+            for (Py_ssize_t i = 0; i < nv; i++) {
+                if (i + PREFETCH_AHEAD < nv) { /* its slot, and the slots of the hashes
+                                                   the pushes ahead may drop */
+                    PREFETCH_GHOST(r, self->hash + victims[i + PREFETCH_AHEAD] * KEY_NBYTES);
+                    for (int l = 0; l < 2; l++)
+                        if (r->ghost_len[l] == self->n) {
+                            Py_ssize_t ahead = (r->ghost_head[l] + PREFETCH_AHEAD) % self->n;
+                            PREFETCH_GHOST(r, r->ghost_keys + (l * self->n + ahead) * KEY_NBYTES);
+                        }
+                }
+                ghost_push(r, self->n, self->qpos[victims[i]] >= PROTECTED(self->n),
+                           self->hash + victims[i] * KEY_NBYTES);
+            }
+        }
+    }
     self->num_lru -= nv;
     for (Py_ssize_t i = 0; i < nv; i++) {
         int found;
@@ -1160,6 +1636,8 @@ BlockTable_publish(BlockTable *self, PyObject *const *args, Py_ssize_t nargs)
         memcpy(self->parent + b * KEY_NBYTES, &pkeys[i].k0, 8);
         memcpy(self->parent + b * KEY_NBYTES + 8, &pkeys[i].k1, 8);
         self->pos[b] = pos[i];
+        if (self->reuse != NULL)
+            reuse_returned(self->reuse, self->n, self->hash + b * KEY_NBYTES);
         published++;
     }
     result = PyLong_FromSsize_t(published);
@@ -1176,9 +1654,10 @@ done:
 
 PyDoc_STRVAR(free_doc,
 "free(ids) -> None: drop one reference from each of a request's blocks (in request\n"
-"order). Those reaching 0 are queued last block first: cached ones at the LRU tail\n"
-"(a chain's suffix is evicted before its prefix), empty ones on the empty stack.\n"
-"ValueError, changing nothing, if a block would drop below 0.");
+"order). Those reaching 0 are queued last block first: cached ones as the newest of\n"
+"their policy's queue (a chain's suffix is evicted before its prefix; reuse: in\n"
+"protected when ``uses`` counts 2 or more uses of the hash), empty ones on the empty\n"
+"stack. ValueError, changing nothing, if a block would drop below 0.");
 
 static PyObject *
 BlockTable_free(BlockTable *self, PyObject *obj)
@@ -1201,21 +1680,10 @@ BlockTable_free(BlockTable *self, PyObject *obj)
             return NULL;
         }
     }
-    Py_ssize_t first_empty = self->num_empty;
-    for (Py_ssize_t i = n - 1; i >= 0; i--) {
-        int64_t b = ids[i];
-        if (self->ref[b] != 0 || self->qpos[b] != -1)
-            continue; /* still held, or queued by a repeat of it later in ids */
-        if (self->pos[b] >= 0) {
-            push_lru(self, b);
-        }
-        else {
-            self->empty[self->num_empty++] = b;
-            self->qpos[b] = -2; /* marks it stacked until this loop ends */
-        }
-    }
-    for (Py_ssize_t i = first_empty; i < self->num_empty; i++)
-        self->qpos[self->empty[i]] = -1;
+    if (__builtin_expect(self->reuse == NULL, 1))
+        queue_freed(self, ids, n, 0);
+    else
+        queue_freed(self, ids, n, 1);
     PyMem_Free(ids);
     Py_RETURN_NONE;
 }
@@ -1354,25 +1822,45 @@ BlockTable_walk_back(BlockTable *self, PyObject *const *args, Py_ssize_t nargs)
     return result;
 }
 
-PyDoc_STRVAR(lru_order_doc,
-"lru_order() -> list[int]: the cached free blocks in eviction order (O(ring)).");
+PyDoc_STRVAR(eviction_order_doc,
+"eviction_order() -> list[int]: the cached free blocks in the order allocations would\n"
+"evict them (O(ring)).");
 
 static PyObject *
-BlockTable_lru_order(BlockTable *self, PyObject *Py_UNUSED(ignored))
+BlockTable_eviction_order(BlockTable *self, PyObject *Py_UNUSED(ignored))
 {
     if (table_ready(self) < 0)
         return NULL;
-    PyObject *out = PyList_New(0);
-    for (Py_ssize_t p = self->head; out != NULL && p < self->tail; p++) {
-        int64_t b = self->ring[p];
-        if (self->qpos[b] != p)
-            continue;
-        PyObject *v = PyLong_FromLongLong(b);
-        if (v == NULL || PyList_Append(out, v) < 0)
-            Py_CLEAR(out);
-        Py_XDECREF(v);
+    int64_t *order = PyMem_Malloc(sizeof(int64_t) * (self->num_lru ? self->num_lru : 1));
+    if (order == NULL)
+        return PyErr_NoMemory();
+    Py_ssize_t p = ring_live_from(&self->lru, self->qpos, self->lru.head, 0);
+    if (self->reuse == NULL) {
+        for (Py_ssize_t v = 0; v < self->num_lru; v++)
+            order[v] = self->lru.ids[p], p = ring_live_from(&self->lru, self->qpos, p + 1, 0);
     }
+    else {
+        Ring *prot = &self->reuse->protected;
+        Py_ssize_t q = ring_live_from(prot, self->qpos, prot->head, PROTECTED(self->n));
+        for (Py_ssize_t v = 0; v < self->num_lru; v++)
+            order[v] = reuse_victim(self, &p, &q);
+    }
+    PyObject *out = id_list(order, self->num_lru);
+    PyMem_Free(order);
     return out;
+}
+
+PyDoc_STRVAR(ghosts_doc,
+"ghosts() -> tuple[int, int]: reuse policy: how many hashes evicted from probation\n"
+"and from protected it remembers (each at most num_blocks); (0, 0) under LRU.");
+
+static PyObject *
+BlockTable_ghosts(BlockTable *self, PyObject *Py_UNUSED(ignored))
+{
+    if (table_ready(self) < 0)
+        return NULL;
+    Reuse *r = self->reuse;
+    return Py_BuildValue("(nn)", r ? r->ghost_live[0] : 0, r ? r->ghost_live[1] : 0);
 }
 
 PyDoc_STRVAR(empty_blocks_doc,
@@ -1417,7 +1905,14 @@ BlockTable_reset(BlockTable *self, PyObject *Py_UNUSED(ignored))
         self->empty[b] = self->n - 1 - b;
     }
     self->num_empty = self->n;
-    self->head = self->tail = self->num_lru = 0;
+    self->lru.head = self->lru.tail = self->num_lru = 0;
+    if (self->reuse != NULL) {
+        r = HashIndex_clear(self->reuse->ghost, NULL);
+        if (r == NULL)
+            return NULL;
+        Py_DECREF(r);
+        reuse_clear(self->reuse, self->n);
+    }
     Py_RETURN_TRUE;
 }
 
@@ -1441,6 +1936,20 @@ BlockTable_get_num_empty(BlockTable *self, void *Py_UNUSED(closure))
     return PyLong_FromSsize_t(self->num_empty);
 }
 
+static PyObject *
+BlockTable_get_policy(BlockTable *self, void *Py_UNUSED(closure))
+{
+    return PyUnicode_FromString(self->reuse ? "reuse" : "lru");
+}
+
+static PyObject *
+BlockTable_get_delta(BlockTable *self, void *Py_UNUSED(closure))
+{
+    if (self->reuse == NULL)
+        Py_RETURN_NONE;
+    return PyFloat_FromDouble(self->reuse->delta);
+}
+
 static PyMethodDef BlockTable_methods[] = {
     {"touch", (PyCFunction)BlockTable_touch, METH_O, touch_doc},
     {"allocate", (PyCFunction)(void (*)(void))BlockTable_allocate, METH_FASTCALL, allocate_doc},
@@ -1451,7 +1960,9 @@ static PyMethodDef BlockTable_methods[] = {
     {"cached", (PyCFunction)BlockTable_cached, METH_O, cached_doc},
     {"walk_back", (PyCFunction)(void (*)(void))BlockTable_walk_back, METH_FASTCALL,
      walk_back_doc},
-    {"lru_order", (PyCFunction)BlockTable_lru_order, METH_NOARGS, lru_order_doc},
+    {"eviction_order", (PyCFunction)BlockTable_eviction_order, METH_NOARGS,
+     eviction_order_doc},
+    {"ghosts", (PyCFunction)BlockTable_ghosts, METH_NOARGS, ghosts_doc},
     {"empty_blocks", (PyCFunction)BlockTable_empty_blocks, METH_NOARGS, empty_blocks_doc},
     {"refs", (PyCFunction)BlockTable_refs, METH_NOARGS, refs_doc},
     {"reset", (PyCFunction)BlockTable_reset, METH_NOARGS, reset_doc},
@@ -1462,15 +1973,21 @@ static PyGetSetDef BlockTable_getset[] = {
     {"index", (getter)BlockTable_get_index, NULL, "the HashIndex of the held hashes", NULL},
     {"num_free", (getter)BlockTable_get_num_free, NULL, "empty plus cached free blocks", NULL},
     {"num_empty", (getter)BlockTable_get_num_empty, NULL, "free blocks holding no hash", NULL},
+    {"policy", (getter)BlockTable_get_policy, NULL, "the eviction policy: 'lru' or 'reuse'", NULL},
+    {"delta", (getter)BlockTable_get_delta, NULL,
+     "reuse: the ticks probation is aged by when heads are compared; None under LRU", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
 PyDoc_STRVAR(BlockTable_doc,
-"BlockTable(num_blocks)\n\n"
+"BlockTable(num_blocks, policy='lru', uses=None)\n\n"
 "The per-block state of a pool: ref counts; each block's hash, parent hash and chain\n"
-"position; an LRU queue of cached free blocks and a stack of empty ones; and\n"
-"``index``, the HashIndex of held hashes, kept in step. Every method checks its input\n"
-"before it changes anything. Not thread-safe; every method runs with the GIL held.");
+"position; the queue of cached free blocks, in the eviction order of ``policy``, and\n"
+"a stack of empty ones; and ``index``, the HashIndex of held hashes, kept in step.\n"
+"``policy`` 'lru' evicts the least recently freed block; 'reuse' ranks blocks by\n"
+"``uses`` (a UseCounts, which it needs) as kvtier.eviction describes. Every\n"
+"method checks its input before it changes anything. Not thread-safe; every method\n"
+"runs with the GIL held.");
 
 static PyTypeObject BlockTableType = {
     PyVarObject_HEAD_INIT(NULL, 0)
@@ -2022,13 +2539,18 @@ static struct PyModuleDef core_module = {
 PyMODINIT_FUNC
 PyInit__core(void)
 {
-    if (PyType_Ready(&HashIndexType) < 0 || PyType_Ready(&BlockTableType) < 0 ||
+    if (PyType_Ready(&HashIndexType) < 0 || PyType_Ready(&UseCountsType) < 0 ||
+        PyType_Ready(&BlockTableType) < 0 ||
         PyType_Ready(&CopierType) < 0 || PyType_Ready(&CopyJobType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&core_module);
     if (m == NULL)
         return NULL;
-    if (PyModule_AddObjectRef(m, "HashIndex", (PyObject *)&HashIndexType) < 0 ||
+    if (PyModule_AddObject(m, "REUSE_DELTA0", PyFloat_FromDouble(REUSE_DELTA0)) < 0 ||
+        PyModule_AddObject(m, "REUSE_DELTA_MAX", PyFloat_FromDouble(REUSE_DELTA_MAX)) < 0 ||
+        PyModule_AddObject(m, "REUSE_STEP", PyFloat_FromDouble(REUSE_STEP)) < 0 ||
+        PyModule_AddObjectRef(m, "HashIndex", (PyObject *)&HashIndexType) < 0 ||
+        PyModule_AddObjectRef(m, "UseCounts", (PyObject *)&UseCountsType) < 0 ||
         PyModule_AddObjectRef(m, "BlockTable", (PyObject *)&BlockTableType) < 0 ||
         PyModule_AddObjectRef(m, "Copier", (PyObject *)&CopierType) < 0 ||
         PyModule_AddObjectRef(m, "CopyJob", (PyObject *)&CopyJobType) < 0) {

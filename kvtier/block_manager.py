@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+from kvtier._core import UseCounts
 from kvtier.gpu_pool import GPUBlockPool
 from kvtier.hashing import BlockHasher, ExtraKeys, TokenIds
 
@@ -27,26 +28,35 @@ class RequestState:
 
     ``hashes`` covers the full blocks of the tokens seen so far and may run ahead of
     ``block_ids`` (a prompt is hashed at lookup, before its blocks exist). The first
-    ``num_published`` blocks are hittable by other requests.
+    ``num_published`` blocks are hittable by other requests; the first ``num_used``
+    are recorded as used by this request in the use counts.
     """
 
     hashes: list[bytes] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     num_tokens: int = 0
     num_published: int = 0
+    num_used: int = 0
     extra: ExtraKeys | None = None
 
 
 class BlockManager:
-    """Maps requests to GPU blocks, with prefix caching through chained block hashes."""
+    """Maps requests to GPU blocks, with prefix caching through chained block hashes.
 
-    def __init__(self, pool: GPUBlockPool, hasher: BlockHasher) -> None:
+    With ``uses`` (the cache's use counts, ``kvtier.eviction``) every block a request
+    takes as a hit or publishes is recorded there once, before the pool queues it.
+    """
+
+    def __init__(
+        self, pool: GPUBlockPool, hasher: BlockHasher, uses: UseCounts | None = None
+    ) -> None:
         if pool.layout.block_size != hasher.block_size:
             raise ValueError(
                 f"pool block_size {pool.layout.block_size} != hasher block_size {hasher.block_size}"
             )
         self.pool = pool
         self.hasher = hasher
+        self.uses = uses
         self.block_size = hasher.block_size
         self._requests: dict[Hashable, RequestState] = {}
 
@@ -168,7 +178,16 @@ class BlockManager:
             [parent, *hashes[:-1]],
         )
         req.num_published = num_blocks
+        self.use(req_id, num_blocks)
         return published
+
+    def use(self, req_id: Hashable, num_blocks: int) -> None:
+        """Record the request's first ``num_blocks`` blocks (hashed) as used by it, each
+        once whatever the number of calls; a no-op without use counts."""
+        req = self.request(req_id)
+        if self.uses is not None and num_blocks > req.num_used:
+            self.uses.record(req.hashes[req.num_used : num_blocks])
+            req.num_used = num_blocks
 
     def free(self, req_id: Hashable) -> bool:
         """Give a request's blocks back, tail first; False (a no-op) for an unknown request."""

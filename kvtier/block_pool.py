@@ -1,20 +1,21 @@
 """Block bookkeeping shared by the GPU pool and the host pool: ref counts, a prefix-cache
-map from block hash to block, and LRU reuse. It owns no memory: subclasses add the
-tensor whose rows the block ids index.
+map from block hash to block, and reuse of cached blocks in the order of an eviction
+policy (``kvtier.eviction``). It owns no memory: subclasses add the tensor whose rows
+the block ids index.
 
 Every block is in exactly one of three states:
 
 - *in use*: ref count > 0; held by one or more requests.
-- *cached free*: ref 0 and holding a published hash. It sits in the LRU queue and
-  can be hit again (``touch`` takes it back out) until it is reused for new data.
+- *cached free*: ref 0 and holding a published hash. It sits in the eviction queue
+  and can be hit again (``touch`` takes it back out) until it is reused for new data.
 - *empty free*: ref 0 and holding no hash. Nothing can hit it, so these are reused
   before any cached block is evicted.
 
 The per-block state lives in ``kvtier._core.BlockTable`` (compiled): every operation
 is one call that does a few word operations per block, where numpy paid about a
-microsecond per step and a small request took dozens of steps. The LRU queue there
-is a ring of block ids with lazy deletion, so touch, free and allocate are O(1) per
-block (see ``docs/architecture.md``).
+microsecond per step and a small request took dozens of steps. The queue there is a
+ring of block ids with lazy deletion (two under the reuse policy), so touch, free and
+allocate are O(1) per block (see ``docs/architecture.md``).
 
 Before a cached block's memory is reused, the eviction hook receives the whole batch
 of victims (ids, hashes, chain positions, parent hashes) so that a lower tier can copy
@@ -29,7 +30,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvtier._core import BlockTable
+from kvtier._core import BlockTable, UseCounts
+from kvtier.config import EvictionPolicy
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,7 @@ class CachedBlocks:
 
     ``parents[i]`` is the hash of the block before ``hashes[i]`` in its chain (the
     namespace root for position 0). Given to the eviction hook in eviction order
-    (least recently used first; within one request, tail blocks before head blocks).
+    (within one request, tail blocks before head blocks).
     """
 
     block_ids: list[int]
@@ -67,7 +69,9 @@ class PoolStats:
 
 
 class BlockPool:
-    """Bookkeeping for ``num_blocks`` blocks with prefix caching and LRU reuse.
+    """Bookkeeping for ``num_blocks`` blocks with prefix caching; cached blocks are
+    reused in the order of the ``eviction`` policy (``reuse`` ranks by ``uses``, the
+    cache's shared use counts, which it needs; ``lru`` takes none).
 
     Invariants (checked by ``check_invariants``):
     free (empty + cached-free) + in-use == num_blocks; a block is never both
@@ -75,12 +79,18 @@ class BlockPool:
     holds hash ``h``.
     """
 
-    def __init__(self, num_blocks: int, on_evict: EvictionHook | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        on_evict: EvictionHook | None = None,
+        eviction: EvictionPolicy = "lru",
+        uses: UseCounts | None = None,
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self.on_evict = on_evict
-        self._table = BlockTable(num_blocks)
+        self._table = BlockTable(num_blocks, eviction, uses)
         # hash -> block; compiled so that a batch of probes into a pool of a million
         # blocks overlaps its cache misses instead of paying them one by one.
         self._cached = self._table.index
@@ -138,12 +148,17 @@ class BlockPool:
         return self._table.empty_blocks()
 
     # ---------------------------------------------------------------- mutations
+    @property
+    def eviction(self) -> EvictionPolicy:
+        """The policy that orders the cached free blocks: ``lru`` or ``reuse``."""
+        return self._table.policy
+
     def touch(self, block_ids: Sequence[int]) -> None:
-        """Take a reference on each block; a cached-free block leaves the LRU queue."""
+        """Take a reference on each block; a cached-free block leaves the queue."""
         self._table.touch(block_ids)
 
     def allocate(self, n: int) -> list[int]:
-        """``n`` blocks with ref 1, empty ones first, then LRU cached ones (evicted).
+        """``n`` blocks with ref 1, empty ones first, then cached ones in eviction order.
 
         Raises ``ValueError`` when fewer than ``n`` are free; the caller checks
         ``num_free`` first. The eviction hook sees the victims before their hashes
@@ -174,8 +189,8 @@ class BlockPool:
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference from each of a request's blocks (given in request order).
 
-        Blocks reaching ref 0 are queued tail first: the request's last block becomes
-        the least recently used, so a chain's suffix is evicted before its prefix.
+        Blocks reaching ref 0 are queued tail first: the request's last block is queued
+        first, so a chain's suffix is evicted before its prefix.
         """
         self._table.free(block_ids)
 
@@ -195,24 +210,24 @@ class BlockPool:
             evictions=self._evictions,
         )
 
-    def lru_order(self) -> list[int]:
+    def eviction_order(self) -> list[int]:
         """Cached-free block ids in eviction order (for tests and inspection; O(ring))."""
-        return self._table.lru_order()
+        return self._table.eviction_order()
 
     def check_invariants(self) -> None:
         """Assert the pool's structural invariants (tests call this after every step)."""
         ref = self.ref_counts()
         assert all(r >= 0 for r in ref), "negative ref count"
-        empty, lru = self.empty_blocks(), self.lru_order()
-        assert len(set(empty) | set(lru)) == len(empty) + len(lru), (
-            "block both empty-queued and LRU-queued, or queued twice"
+        empty, queued = self.empty_blocks(), self.eviction_order()
+        assert len(set(empty) | set(queued)) == len(empty) + len(queued), (
+            "block both empty and cached-queued, or queued twice"
         )
-        assert all(ref[b] == 0 for b in empty + lru), "queued block is referenced"
-        assert self.num_free == len(empty) + len(lru), "free count mismatch"
+        assert all(ref[b] == 0 for b in empty + queued), "queued block is referenced"
+        assert self.num_free == len(empty) + len(queued), "free count mismatch"
         assert self.num_free + sum(r > 0 for r in ref) == self.num_blocks, "free + used != total"
         held = self.cached_blocks(range(self.num_blocks))
         assert not set(empty) & set(held.block_ids), "empty block holds a hash"
-        assert set(lru) <= set(held.block_ids), "LRU block holds no hash"
+        assert set(queued) <= set(held.block_ids), "queued cached block holds no hash"
         assert dict(self._cached.items()) == dict(zip(held.hashes, held.block_ids)), (
             "cache map differs from the hashes the blocks hold"
         )

@@ -44,6 +44,7 @@ import torch
 from kvtier.block_manager import BlockManager, StaleHitError
 from kvtier.block_pool import CachedBlocks
 from kvtier.config import ConfigError, KVTierConfig, load_config
+from kvtier.eviction import use_counts_for
 from kvtier.gpu_pool import GPUBlockPool
 from kvtier.hashing import BlockHasher, ExtraKeys, TokenIds, namespace_root
 from kvtier.host_tiers import HostTiers
@@ -225,9 +226,17 @@ class TieredCache:
         algorithm = config.hashing.algorithm
         root = namespace_root(config.model, layout.fingerprint, config.hashing.salt, algorithm)
         self._lock = threading.RLock()
+        gpu_blocks = config.tiers.gpu.resolve_num_blocks(layout)
+        self.uses = use_counts_for(config, layout, gpu_blocks)  # None: no tier needs them
         self.below = (
             HostTiers(
-                config, layout, self.device, self._lock, spill_namespace(config, layout), tiers
+                config,
+                layout,
+                self.device,
+                self._lock,
+                spill_namespace(config, layout),
+                tiers,
+                self.uses,
             )
             if cpu
             else None
@@ -240,12 +249,16 @@ class TieredCache:
             else TransferEngine(self.device, config.transfer.io_threads)
         )
         self.gpu = GPUBlockPool(
-            config.tiers.gpu.resolve_num_blocks(layout),
+            gpu_blocks,
             layout,
             self.device,
             on_evict=self._on_gpu_evict if self.host else None,
+            eviction=config.tiers.gpu.eviction,
+            uses=self.uses,
         )
-        self.manager = BlockManager(self.gpu, BlockHasher(root, self.block_size, algorithm))
+        self.manager = BlockManager(
+            self.gpu, BlockHasher(root, self.block_size, algorithm), self.uses
+        )
         self._eager = cpu is not None and cpu.write_policy == "eager"
         self._offloads: list[_Offload] = []
         self._prefetches: dict[Hashable, _Prefetch] = {}  # until the request is freed
@@ -350,6 +363,8 @@ class TieredCache:
                     if host_slots:
                         self.host.free(host_slots)
                     raise
+                if new is not None:
+                    self.manager.use(req_id, hit.num_blocks)  # before anything is queued
                 if new is not None and below:
                     self._start_prefetch(req_id, hit, first, new[:below], held)
             if held:
@@ -580,7 +595,7 @@ class TieredCache:
     def _copy_down(self, blocks: CachedBlocks, pin_source: bool) -> None:
         """Copy GPU blocks not yet in the host pool into host slots, as one batch.
 
-        Blocks already in the host pool are only refreshed in its LRU order. When the
+        Blocks already in the host pool are only queued again (as the newest). When the
         host pool cannot supply enough slots (all pinned), the rest are dropped.
         ``pin_source`` holds the GPU blocks until the copy is done (eager copies of
         blocks that the request may free meanwhile).

@@ -19,10 +19,12 @@ from kvtier import admin
 from kvtier.cache import TieredCache
 from kvtier.chunk import ChunkCodec
 from kvtier.config import SPILL_TIERS, ConfigError, KVTierConfig, default_config, load_config
+from kvtier.eviction import POLICIES, policies_of, with_policy
 from kvtier.plot import PlotUnavailable, plot_replay, pyplot
 from kvtier.progress import progress
-from kvtier.replay import optimal_hits, read_trace, replay
+from kvtier.replay import optimal_hits, read_trace, replay, sized_to_shares
 from kvtier.tiers.base import TierError
+from kvtier.tracegen import WorkloadShape, generate, write_trace
 from kvtier.workloads import ChatShape
 
 
@@ -91,15 +93,23 @@ def capacity_blocks(cache: TieredCache) -> int:
 
 
 def replay_trace(args: argparse.Namespace) -> int:
-    """Replay a request trace through the configured tiers; print hit rates and latencies,
-    and the hit rate of the offline optimum of the same total capacity."""
+    """Replay a request trace through the configured tiers (sized by ``--shares``, evicting
+    by ``--policy`` where given); print hit rates and latencies, and the hit rate of the
+    offline optimum of the same total capacity."""
     config = load_config(args.config)
+    if args.policy:
+        config = with_policy(config, args.policy)
     if args.plot:
         pyplot()  # before the replay: a missing matplotlib should not cost a whole run
     try:
         requests = read_trace(args.trace, args.limit)
     except (OSError, ValueError) as e:
         raise UsageError(f"cannot replay {args.trace}: {e}") from None
+    if args.shares:
+        try:
+            config = sized_to_shares(config, requests, args.shares)
+        except ValueError as e:
+            raise UsageError(f"--shares: {e}") from None
     with _open_cache(config, args) as cache:
         result = replay(cache, requests, lambda r: progress(r, desc="replaying"))
         stats = cache.stats()
@@ -123,6 +133,8 @@ def replay_trace(args: argparse.Namespace) -> int:
         f"ceiling (unbounded cache) {result.ceiling:.1%}"
     )
     print(f"offline optimum (Belady, one cache of {capacity} blocks) {optimum:.1%}")
+    policies = policies_of(config)
+    print("eviction: " + ", ".join(f"{tier} {policy}" for tier, policy in policies.items()))
     for name, h in (("lookup", stats.lookup_latency), ("prefetch", stats.prefetch_latency)):
         if h.count:
             p50, p90, p99 = (h.percentile(q) * 1e3 for q in (50, 90, 99))
@@ -139,6 +151,7 @@ def replay_trace(args: argparse.Namespace) -> int:
                     "ceiling": result.ceiling,
                     "optimum": optimum,
                     "capacity_blocks": capacity,
+                    "eviction": policies,
                     "samples": [asdict(s) for s in result.samples],
                     "stats": asdict(stats),
                 },
@@ -148,6 +161,19 @@ def replay_trace(args: argparse.Namespace) -> int:
         title = f"kvtier replay: {Path(args.trace).name}, {result.requests} requests"
         plot_replay(result, args.plot, title)
         print(f"plot written to {args.plot}")
+    return 0
+
+
+def make_workload(args: argparse.Namespace) -> int:
+    """Write a synthetic trace (chats, RAG, agent loops, one-offs) in Mooncake's format."""
+    shape = WorkloadShape(duration_s=args.duration)
+    lines = generate(shape, args.seed)
+    try:
+        write_trace(args.out, lines)
+    except OSError as e:
+        raise UsageError(f"cannot write {args.out}: {e}") from None
+    distinct = len({h for line in lines for h in line["hash_ids"]})
+    print(f"{len(lines)} requests, {distinct} distinct blocks of 512 tokens -> {args.out}")
     return 0
 
 
@@ -259,7 +285,32 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--device", help="torch device of the GPU tier (default: from the config)")
     r.add_argument("--keep-cache", action="store_true", help="use the configured disk path")
     r.add_argument("--plot", metavar="OUT.png", help="draw the hit rate over time here")
+    r.add_argument(
+        "--policy",
+        choices=POLICIES,
+        help="evict by this policy in every tier (default: each tier's configured one)",
+    )
+    r.add_argument(
+        "--shares",
+        type=_shares,
+        metavar="GPU,HOST[,DISK]",
+        help="size the GPU pool, host pool and disk tier as percentages of the trace's "
+        "distinct blocks (without DISK: no disk tier), e.g. 0.5,5,30",
+    )
     r.set_defaults(func=replay_trace)
+    w = sub.add_parser(
+        "workload",
+        help="write a synthetic trace (chats, RAG, agent loops, one-offs) to replay",
+    )
+    w.add_argument("out", help="JSONL trace to write (Mooncake's format)")
+    w.add_argument("--seed", type=int, default=0, help="the same seed writes the same trace")
+    w.add_argument(
+        "--duration",
+        type=_positive_float,
+        default=WorkloadShape.duration_s,
+        help=f"seconds during which sessions start (default {WorkloadShape.duration_s:g})",
+    )
+    w.set_defaults(func=make_workload)
     config_help = "YAML config (default: the embedded default)"
     s = sub.add_parser("stats", help="what each configured spill tier holds")
     s.add_argument("--config", help=config_help)
@@ -279,6 +330,28 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     c.set_defaults(func=clear_tiers)
     return parser
+
+
+def _shares(text: str) -> tuple[float, ...]:
+    try:
+        shares = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        shares = ()
+    if len(shares) not in (2, 3) or not all(0 < s <= 100 for s in shares):
+        raise argparse.ArgumentTypeError(
+            f"expected 2 or 3 percentages in (0, 100] joined by commas, got {text!r}"
+        )
+    return shares
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
 
 
 def _positive_int(text: str) -> int:

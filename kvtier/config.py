@@ -30,6 +30,7 @@ HashAlgorithm = Literal["xxh3_128", "sha256"]
 HostWritePolicy = Literal["on_evict", "eager"]
 SpillWritePolicy = Literal["write_back", "write_through"]
 CertReqs = Literal["required", "optional", "none"]
+EvictionPolicy = Literal["lru", "reuse"]  # kvtier.eviction describes them
 
 SPILL_TIERS: tuple[str, ...] = ("disk", "redis")  # also the default spill order
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -71,11 +72,14 @@ class GPUTierConfig:
 
     At most one of the two may be set; with neither, ``num_blocks`` is 1024.
     ``device`` is ``"auto"`` or a torch device string (checked for syntax only).
+    ``eviction`` orders its free queue (``kvtier.eviction``; ``reuse`` gained nothing
+    measurable in the GPU pool, below which the host pool and disk keep what it drops).
     """
 
     num_blocks: int | None = None
     capacity: int | None = None
     device: str = "auto"
+    eviction: EvictionPolicy = "lru"
 
     def __post_init__(self) -> None:
         if self.num_blocks is not None and self.capacity is not None:
@@ -108,12 +112,13 @@ class CPUTierConfig:
     """The host slab. ``pin_memory=None`` pins when CUDA is available.
 
     ``write_policy``: ``on_evict`` copies a block down when the GPU pool evicts it;
-    ``eager`` copies every committed block at once.
+    ``eager`` copies every committed block at once. ``eviction``: ``kvtier.eviction``.
     """
 
     capacity: int = 4 * GiB
     pin_memory: bool | None = None
     write_policy: HostWritePolicy = "on_evict"
+    eviction: EvictionPolicy = "reuse"
 
 
 @dataclass(frozen=True)
@@ -121,7 +126,7 @@ class DiskTierConfig:
     """The LMDB tier. ``path`` is kept as written; use ``resolved_path`` to open it.
 
     ``required=True`` makes a failure to open it a start-up error instead of a
-    warning and a disabled tier.
+    warning and a disabled tier. ``eviction``: ``kvtier.eviction``.
     """
 
     path: str = "~/.cache/kvtier/lmdb"
@@ -129,6 +134,7 @@ class DiskTierConfig:
     chunk_blocks: int = 16
     write_policy: SpillWritePolicy = "write_back"
     required: bool = False
+    eviction: EvictionPolicy = "reuse"
 
     @property
     def resolved_path(self) -> Path:
@@ -457,6 +463,9 @@ def _choice(options: tuple[str, ...]) -> Parser[Any]:
     return parse
 
 
+_eviction = _choice(get_args(EvictionPolicy))
+
+
 def _optional(parse: Parser[T]) -> Parser[T | None]:
     """``parse``, but null or an empty string (e.g. ``${VAR:-}``) means None."""
     return lambda value, path: None if value is None or value == "" else parse(value, path)
@@ -628,6 +637,7 @@ def _read_tiers(sec: _Section) -> TiersConfig:
             num_blocks=gpu.get("num_blocks", _optional(_positive_int), None),
             capacity=gpu.get("capacity", _optional(parse_size), None),
             device=gpu.get("device", _device, "auto"),
+            eviction=gpu.get("eviction", _eviction, GPUTierConfig.eviction),
         ),
         cpu=_read_cpu(sec.section("cpu", CPUTierConfig)) if sec.has("cpu") else None,
         disk=_read_disk(sec.section("disk", DiskTierConfig)) if sec.has("disk") else None,
@@ -642,6 +652,7 @@ def _read_cpu(sec: _Section) -> CPUTierConfig:
         capacity=sec.get("capacity", parse_size, d.capacity),
         pin_memory=sec.get("pin_memory", _optional(_bool), d.pin_memory),
         write_policy=sec.get("write_policy", _choice(get_args(HostWritePolicy)), d.write_policy),
+        eviction=sec.get("eviction", _eviction, d.eviction),
     )
 
 
@@ -653,6 +664,7 @@ def _read_disk(sec: _Section) -> DiskTierConfig:
         chunk_blocks=sec.get("chunk_blocks", _positive_int, d.chunk_blocks),
         write_policy=sec.get("write_policy", _choice(get_args(SpillWritePolicy)), d.write_policy),
         required=sec.get("required", _bool, d.required),
+        eviction=sec.get("eviction", _eviction, d.eviction),
     )
 
 

@@ -55,6 +55,7 @@ import torch
 
 from kvtier.block_pool import CachedBlocks
 from kvtier.config import KVTierConfig
+from kvtier.eviction import use_counts_for
 from kvtier.hashing import HASH_NBYTES, get_digest, namespace_root
 from kvtier.host_tiers import HostTiers
 from kvtier.layout import KVLayout
@@ -371,7 +372,12 @@ class ConnectorCache:
         self._cuda = kv.device.type == "cuda"
         self._lock = threading.RLock()
         self._namespace = spill_namespace(config, name)
-        self.below = HostTiers(config, layout, kv.device, self._lock, self._namespace)
+        # The blocks each request loads or saves here count as its uses (the engine's
+        # own GPU hits are not seen here).
+        self.uses = use_counts_for(config, layout, 0)
+        self.below = HostTiers(
+            config, layout, kv.device, self._lock, self._namespace, uses=self.uses
+        )
         self.host, self.spill, self.transfer = (
             self.below.host,
             self.below.spill,
@@ -425,6 +431,8 @@ class ConnectorCache:
         with self._lock:
             if req_id in self._loads:
                 raise ValueError(f"request {req_id!r} already has a load pinned")
+            if self.uses is not None:
+                self.uses.record(keys)
             host_slots = self.host.lookup(keys[: hit.host_blocks])
             self.host.touch(host_slots)
             runs = hit.spill.get(self.shard, ())
@@ -492,7 +500,7 @@ class ConnectorCache:
     def save(self, blocks: list[int], keys: Sequence[bytes], parent: bytes, start: int) -> None:
         """Copy engine ``blocks`` (chain positions ``start..``, this shard's keys ``keys``,
         the first one's parent ``parent``) into host slots, unless already there (then
-        they are only refreshed in the LRU order). Call after the engine has queued the
+        they are only queued again, as the newest). Call after the engine has queued the
         writes of their KV; the engine may reuse the blocks as soon as this returns.
 
         A batch larger than the free slots goes in pieces: each piece is published
@@ -501,6 +509,8 @@ class ConnectorCache:
         """
         with self._lock:
             self._poll_saves()
+            if self.uses is not None:
+                self.uses.record(keys)
             host = self.host
             present = host.lookup_each(keys)
             refresh = [s for s in present if s is not None]

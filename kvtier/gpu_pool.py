@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import torch
 
+from kvtier._core import UseCounts
 from kvtier.block_pool import BlockPool, EvictionHook
+from kvtier.config import EvictionPolicy
 from kvtier.layout import KVLayout
 
 
 class GPUBlockPool(BlockPool):
-    """``num_blocks`` KV blocks on ``device`` with prefix caching and LRU reuse."""
+    """``num_blocks`` KV blocks on ``device`` with prefix caching; ``eviction`` and
+    ``uses`` as for ``BlockPool``."""
 
     def __init__(
         self,
@@ -23,8 +26,10 @@ class GPUBlockPool(BlockPool):
         layout: KVLayout,
         device: torch.device | str = "cpu",
         on_evict: EvictionHook | None = None,
+        eviction: EvictionPolicy = "lru",
+        uses: UseCounts | None = None,
     ) -> None:
-        super().__init__(num_blocks, on_evict)
+        super().__init__(num_blocks, on_evict, eviction, uses)
         self.layout = layout
         self.device = torch.device(device)
         # Block-major: one block is one contiguous run of layout.block_nbytes bytes.

@@ -1,8 +1,9 @@
 """The CPU host pool: one slab of (pinned) host memory divided into block slots.
 
 Slots follow the same bookkeeping as GPU blocks (``BlockPool``): a hash -> slot map,
-ref counts that pin a slot while it is read or written, and an LRU queue of unpinned
-slots that are reused (and reported to the spill hook) when space runs out. Each
+ref counts that pin a slot while it is read or written, and a queue of unpinned
+slots that are reused in eviction-policy order (and reported to the spill hook) when
+space runs out. Each
 slot records its block hash, parent hash and chain position, so that a chain's
 aligned chunks can be reassembled for the spill tiers.
 
@@ -18,7 +19,9 @@ import logging
 
 import torch
 
+from kvtier._core import UseCounts
 from kvtier.block_pool import BlockPool, EvictionHook
+from kvtier.config import EvictionPolicy
 from kvtier.layout import KVLayout
 
 log = logging.getLogger(__name__)
@@ -36,7 +39,8 @@ def _log_pinning_once(pinned: bool, nbytes: int) -> None:
 
 
 class HostPool(BlockPool):
-    """``num_slots`` block slots in host memory; ``slab[s]`` is one block of KV."""
+    """``num_slots`` block slots in host memory; ``slab[s]`` is one block of KV.
+    ``eviction`` and ``uses`` as for ``BlockPool``."""
 
     def __init__(
         self,
@@ -44,8 +48,10 @@ class HostPool(BlockPool):
         layout: KVLayout,
         pin_memory: bool | None = None,
         on_evict: EvictionHook | None = None,
+        eviction: EvictionPolicy = "lru",
+        uses: UseCounts | None = None,
     ) -> None:
-        super().__init__(num_slots, on_evict)
+        super().__init__(num_slots, on_evict, eviction, uses)
         self.layout = layout
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         if pin and not torch.cuda.is_available():
@@ -69,6 +75,8 @@ class HostPool(BlockPool):
         layout: KVLayout,
         pin_memory: bool | None = None,
         on_evict: EvictionHook | None = None,
+        eviction: EvictionPolicy = "lru",
+        uses: UseCounts | None = None,
     ) -> HostPool:
         """As many slots as ``capacity`` bytes hold (at least one)."""
         slots = capacity // layout.block_nbytes
@@ -76,7 +84,7 @@ class HostPool(BlockPool):
             raise ValueError(
                 f"tiers.cpu.capacity of {capacity} B holds no {layout.block_nbytes} B block"
             )
-        return cls(slots, layout, pin_memory, on_evict)
+        return cls(slots, layout, pin_memory, on_evict, eviction, uses)
 
     def _register_pieces(self, nbytes: int) -> None:
         cudart = torch.cuda.cudart()

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvtier._core import UseCounts
 from kvtier.config import ConfigError, KVTierConfig
 from kvtier.host_pool import HostPool
 from kvtier.layout import KVLayout
@@ -34,6 +35,8 @@ class HostTiers:
 
     ``failed`` names the configured spill tiers that could not be opened (left out,
     with a warning). ``namespace`` keeps this cache's keys apart in shared tiers.
+    ``uses``: the cache's use counts, which the host pool and the spill tiers rank by
+    where their eviction policy is ``reuse`` (``kvtier.eviction``).
     """
 
     def __init__(
@@ -44,16 +47,22 @@ class HostTiers:
         lock: threading.RLock,
         namespace: str,
         tiers: list[SpillTier] | None = None,
+        uses: UseCounts | None = None,
     ) -> None:
         cpu = config.tiers.cpu
         if cpu is None:
             raise ConfigError("tiers.cpu", None, "a cpu section: spill tiers stage through it")
         self.layout = layout
-        self.host = HostPool.with_capacity(cpu.capacity, layout, cpu.pin_memory)
+        self.host = HostPool.with_capacity(
+            cpu.capacity, layout, cpu.pin_memory, eviction=cpu.eviction, uses=uses
+        )
         self.transfer = TransferEngine(device, config.transfer.io_threads)
         self.failed: list[str] = []
         if tiers is None:
             tiers, self.failed = open_spill_tiers(config, namespace)
+        if uses is not None:
+            for tier in tiers:
+                tier.uses = uses.counts
         self.spill: SpillManager | None = None
         if tiers:
             through = [

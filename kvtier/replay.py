@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import heapq
 import json
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
 from kvtier.cache import TieredCache
+from kvtier.config import KVTierConfig
 
 TRACE_BLOCK = 512  # tokens per trace block
 
@@ -82,6 +83,46 @@ class TraceTokens:
 
     def prompt(self, req: TraceRequest) -> np.ndarray:
         return np.concatenate([self.block(h) for h in req.hash_ids])[: req.input_length]
+
+
+def distinct_blocks(requests: Iterable[TraceRequest]) -> int:
+    """Trace blocks (of 512 tokens) that the requests name, each counted once."""
+    return len({h for req in requests for h in req.hash_ids})
+
+
+def sized_to_shares(
+    config: KVTierConfig, requests: Sequence[TraceRequest], shares: Sequence[float]
+) -> KVTierConfig:
+    """``config`` with its GPU pool, host pool and, given a third share, disk tier holding
+    ``shares`` percent of the trace's distinct blocks, each rounded down to whole trace
+    blocks (the disk's capacity counts value bytes: chunk headers take a little of it);
+    with two shares there is no disk tier. ValueError for a share that holds no trace
+    block, or a tier the config lacks."""
+    layout = config.layout
+    if layout is None or TRACE_BLOCK % layout.block_size:
+        raise ValueError("sizing tiers by shares needs a layout whose block_size divides 512")
+    if len(shares) not in (2, 3):
+        raise ValueError(f"expected 2 or 3 shares (GPU, host[, disk]), got {len(shares)}")
+    distinct = distinct_blocks(requests)
+    trace_blocks = [int(distinct * share / 100) for share in shares]
+    for name, share, n in zip(("GPU", "host", "disk"), shares, trace_blocks):
+        if n < 1:
+            raise ValueError(f"the {name} share {share}% holds no block of {distinct} distinct")
+    gpu, host, *disk = (n * (TRACE_BLOCK // layout.block_size) for n in trace_blocks)
+    tiers = config.tiers
+    if tiers.cpu is None or (disk and tiers.disk is None):
+        raise ValueError("sizing tiers by shares needs a tiers.cpu (and for 3, tiers.disk) section")
+    nbytes = layout.block_nbytes
+    return replace(
+        config,
+        tiers=replace(
+            tiers,
+            gpu=replace(tiers.gpu, num_blocks=gpu, capacity=None),
+            cpu=replace(tiers.cpu, capacity=host * nbytes),
+            disk=replace(tiers.disk, capacity=disk[0] * nbytes) if disk else None,
+            spill_order=(),
+        ),
+    )
 
 
 def ceiling_hits(requests: Iterable[TraceRequest], block_size: int) -> list[int]:

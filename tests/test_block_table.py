@@ -15,7 +15,7 @@ def key(i: int) -> bytes:
 
 
 def state(t: BlockTable) -> tuple[list[int], list[int], list[int], dict[bytes, int]]:
-    return t.refs(), t.lru_order(), sorted(t.empty_blocks()), dict(t.index.items())
+    return t.refs(), t.eviction_order(), sorted(t.empty_blocks()), dict(t.index.items())
 
 
 def published(n: int, ids: list[int], first_key: int = 0) -> BlockTable:
@@ -103,7 +103,7 @@ def test_random_operations_match_the_reference(seed: int) -> None:
             next_key += 2
             assert t.publish(fresh, hashes, range(len(fresh)), hashes) == ref.publish(fresh, hashes)
         elif op < 0.7:
-            hits = [b for b in t.lru_order() if rng.random() < 0.3]
+            hits = [b for b in t.eviction_order() if rng.random() < 0.3]
             t.touch(hits)
             ref.touch(hits)
             if hits:
@@ -145,7 +145,7 @@ def test_the_eviction_hook_cannot_change_the_table() -> None:
     t.free([0, 1])
     with pytest.raises(RuntimeError, match="inside its eviction hook"):
         t.allocate(1, lambda *_: t.touch([1]))
-    assert t.lru_order() == [1, 0]
+    assert t.eviction_order() == [1, 0]
 
 
 def test_walk_back_follows_parents_or_names_the_missing_hash() -> None:
@@ -205,7 +205,7 @@ def test_touching_an_empty_block_raises_and_changes_nothing() -> None:
     t.free([0])
     with pytest.raises(ValueError, match="empty"):
         t.touch([0, 2])
-    assert t.refs() == [0] * 4 and t.lru_order() == [0]
+    assert t.refs() == [0] * 4 and t.eviction_order() == [0]
 
 
 @pytest.mark.parametrize(
@@ -255,4 +255,4 @@ def test_a_full_ring_is_compacted_keeping_the_order() -> None:
     for _ in range(10):  # each round adds ring entries; stale ones must be dropped
         t.touch([1])
         t.free([1])
-    assert t.lru_order() == [2, 0, 1]
+    assert t.eviction_order() == [2, 0, 1]

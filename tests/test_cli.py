@@ -255,3 +255,47 @@ def test_replay_plot_without_matplotlib_fails_before_replaying(tmp_path, capsys,
     captured = capsys.readouterr()
     assert "pip install 'kvtier[plot]'" in captured.err and "replayed" not in captured.out
     assert not png.exists()
+
+
+# --- replay --policy, --shares --------------------------------------------------------
+
+
+def test_replay_with_a_policy_evicts_every_tier_by_it(tmp_path, capsys):
+    out_json = tmp_path / "replay.json"
+    args = ["replay", str(small_trace(tmp_path)), "--policy", "reuse", "--json", str(out_json)]
+    assert main(args) == 0
+    assert "eviction: gpu reuse, cpu reuse, disk reuse" in capsys.readouterr().out
+    assert json.loads(out_json.read_text())["eviction"] == dict.fromkeys(
+        ["gpu", "cpu", "disk"], "reuse"
+    )
+
+
+def test_replay_without_a_policy_evicts_each_tier_by_the_configs(tmp_path, capsys):
+    config = tmp_path / "replay.yaml"
+    config.write_text("""
+layout: {num_layers: 1, block_size: 16, num_kv_heads: 1, head_dim: 8}
+tiers:
+  gpu: {num_blocks: 512, device: cpu, eviction: reuse}
+  cpu: {capacity: 1MiB, eviction: lru}
+""")
+    assert main(["replay", str(small_trace(tmp_path)), "--config", str(config)]) == 0
+    assert "eviction: gpu reuse, cpu lru" in capsys.readouterr().out
+
+
+def test_replay_shares_size_the_tiers(tmp_path, capsys):
+    out_json = tmp_path / "replay.json"
+    trace = str(small_trace(tmp_path))  # 5 distinct trace blocks of 32 cache blocks each
+    assert main(["replay", trace, "--shares", "20,40,60", "--json", str(out_json)]) == 0
+    assert json.loads(out_json.read_text())["capacity_blocks"] == (1 + 2 + 3) * 32
+
+
+@pytest.mark.parametrize("shares", ["5", "1,2,3,4", "0,5", "a,b", "5,200"])
+def test_replay_rejects_malformed_shares(tmp_path, capsys, shares):
+    with pytest.raises(SystemExit):
+        main(["replay", str(small_trace(tmp_path)), "--shares", shares])
+    assert "--shares" in capsys.readouterr().err
+
+
+def test_replay_shares_that_hold_no_block_are_a_usage_error(tmp_path, capsys):
+    assert main(["replay", str(small_trace(tmp_path)), "--shares", "1,50"]) == 2
+    assert "the GPU share 1.0% holds no block of 5 distinct" in capsys.readouterr().err

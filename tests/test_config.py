@@ -397,7 +397,7 @@ def test_error_unknown_nested_key_suggests_nearest() -> None:
     assert_names(
         error,
         "tiers.disk.chunk_blcks: unknown key; did you mean 'chunk_blocks'?",
-        "valid keys: capacity, chunk_blocks, path, required, write_policy",
+        "valid keys: capacity, chunk_blocks, eviction, path, required, write_policy",
     )
 
 
@@ -452,6 +452,31 @@ def test_error_layout_kv_factor_out_of_range() -> None:
 def test_error_unknown_hashing_algorithm() -> None:
     error = config_error({"hashing": {"algorithm": "md5"}})
     assert_names(error, "hashing.algorithm", "'md5'", "one of 'xxh3_128', 'sha256'")
+
+
+@pytest.mark.parametrize("tier", ["gpu", "cpu", "disk"])
+def test_error_unknown_eviction_policy_names_the_tiers_key(tier: str) -> None:
+    error = config_error({"tiers": {tier: {"eviction": "lfu"}}})
+    assert error.value == "lfu"
+    assert_names(error, f"tiers.{tier}.eviction", "'lfu'", "one of 'lru', 'reuse'")
+
+
+def test_the_gpu_pool_evicts_by_lru_and_the_host_pool_and_disk_by_reuse_by_default() -> None:
+    tiers = parse_config({"tiers": {"cpu": {}, "disk": {}}}).tiers
+    assert (tiers.gpu.eviction, tiers.cpu.eviction, tiers.disk.eviction) == (
+        "lru",
+        "reuse",
+        "reuse",
+    )
+
+
+@pytest.mark.parametrize("tier", ["gpu", "cpu", "disk"])
+def test_each_tier_that_evicts_takes_its_own_eviction_policy(tier: str) -> None:
+    sections = {"gpu": {"eviction": "reuse"}, "cpu": {"eviction": "reuse"}, "disk": {}}
+    sections[tier] = {"eviction": "lru"}
+    tiers = parse_config({"tiers": sections}).tiers
+    policies = {name: getattr(tiers, name).eviction for name in sections}
+    assert policies == {name: "lru" if name == tier else "reuse" for name in sections}
 
 
 def test_error_unknown_write_policy() -> None:

@@ -91,12 +91,13 @@ def test_cumulative_counts_end_at_infinity_with_the_total():
 
 @pytest.fixture
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """configs/tiny.yaml (16 GPU blocks, LMDB chunks of 4) with 16 host slots, so that
-    prompts of 8 blocks soon reach the disk."""
+    """configs/tiny.yaml (16 GPU blocks, LMDB chunks of 4) with 16 host slots, evicted
+    least recently used first, so that prompts of 8 blocks soon reach the disk."""
     monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path))
     config = load_config(TINY)
     assert config.layout.block_nbytes == BLOCK_NBYTES
-    tiers = replace(config.tiers, cpu=replace(config.tiers.cpu, capacity=16 * BLOCK_NBYTES))
+    cpu = replace(config.tiers.cpu, capacity=16 * BLOCK_NBYTES, eviction="lru")
+    tiers = replace(config.tiers, cpu=cpu)
     with TieredCache(replace(config, tiers=tiers)) as c:
         yield c
 

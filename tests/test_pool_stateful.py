@@ -307,7 +307,7 @@ class PoolMachine(RuleBasedStateMachine):
             lru, ref = list(m.lru), list(m.ref)
             with pytest.raises(StaleHitError):
                 self.bm.allocate(rid, len(prompt) - len(hit) * BS, hit)
-            assert self.pool.lru_order() == lru and self.pool.ref_counts() == ref
+            assert self.pool.eviction_order() == lru and self.pool.ref_counts() == ref
             assert self.bm.free(rid) is True
             event("stale hit")
             return
@@ -371,7 +371,7 @@ class PoolMachine(RuleBasedStateMachine):
         assert pool.num_free == m.num_free
         assert ref == m.ref
         # 2. no block both queued and referenced
-        lru = pool.lru_order()
+        lru = pool.eviction_order()
         empty = pool.empty_blocks()
         assert all(ref[b] == 0 for b in lru + empty)
         assert len(set(lru) | set(empty)) == len(lru) + len(empty)
@@ -429,13 +429,13 @@ def test_freed_request_is_evicted_tail_first() -> None:
     h = Harness(4)
     a = h.run(1, BASES[0][:12])  # three full blocks, all published
     assert h.bm.free(1)
-    assert h.pool.lru_order() == [a[2], a[1], a[0]]
+    assert h.pool.eviction_order() == [a[2], a[1], a[0]]
     h.run(2, BASES[2][:8])  # two blocks: the one empty block, then the tail of request 1
     assert h.evicted_ids() == [a[2]]
     assert h.evicted[0].positions == [2]
     assert h.evicted[0].hashes == [chain_hash(tuple(BASES[0][:12]))]
     assert h.evicted[0].parents == [chain_hash(tuple(BASES[0][:8]))]
-    assert h.pool.lru_order() == [a[1], a[0]]
+    assert h.pool.eviction_order() == [a[1], a[0]]
     # the surviving prefix is still a hit
     assert h.bm.lookup(3, BASES[0][:9]) == [a[0], a[1]]
 
@@ -447,7 +447,7 @@ def test_empty_blocks_are_reused_before_cached_ones() -> None:
     b = h.run(2, BASES[2][:8])
     assert not h.evicted
     assert set(b).isdisjoint(a)
-    assert h.pool.lru_order() == [a[1], a[0]]
+    assert h.pool.eviction_order() == [a[1], a[0]]
     assert h.pool.num_cached == 4
 
 
@@ -457,12 +457,12 @@ def test_hit_block_leaves_the_free_queue() -> None:
     assert h.bm.free(1)
     b = h.run(2, BASES[0][:9], commit=False)  # hit: the first two blocks
     assert b[:2] == a[:2]
-    assert h.pool.lru_order() == [a[2]]
+    assert h.pool.eviction_order() == [a[2]]
     assert h.pool.num_free == 1
     # the only cached-free block left is the one evicted next
     h.run(3, BASES[2][:4])
     assert h.evicted_ids() == [a[2]]
-    assert h.pool.lru_order() == []
+    assert h.pool.eviction_order() == []
 
 
 def test_allocation_counts_queued_hit_blocks_as_not_free() -> None:
@@ -476,7 +476,7 @@ def test_allocation_counts_queued_hit_blocks_as_not_free() -> None:
     assert h.bm.lookup(2, prompt) == a
     assert h.bm.allocate(2, len(prompt) - 12, a) is None
     assert not h.evicted
-    assert h.pool.lru_order() == [a[2], a[1], a[0]]
+    assert h.pool.eviction_order() == [a[2], a[1], a[0]]
     assert h.pool.num_free == 4
     h.pool.check_invariants()
     # 16 tokens need only 1 new block: fits
@@ -494,9 +494,9 @@ def test_duplicate_publish_keeps_first_writer_and_is_reused_first() -> None:
     assert h.bm.commit(2, BASES[0][:8]) == 0
     assert h.pool.lookup([chain_hash(tuple(BASES[0][:4])), chain_hash(tuple(BASES[0][:8]))]) == a
     assert h.bm.free(2)  # unhashed: back to the empty blocks, not the LRU queue
-    assert h.pool.lru_order() == []
+    assert h.pool.eviction_order() == []
     assert h.bm.free(1)
-    assert h.pool.lru_order() == [a[1], a[0]]
+    assert h.pool.eviction_order() == [a[1], a[0]]
     h.run(3, BASES[2][:16])  # 4 blocks: exactly the 4 empty ones
     assert not h.evicted
     h.pool.check_invariants()

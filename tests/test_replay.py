@@ -13,6 +13,7 @@ from kvtier.replay import (
     optimal_hits,
     read_trace,
     replay,
+    sized_to_shares,
 )
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
@@ -135,3 +136,25 @@ def test_the_optimum_is_at_least_the_replayed_hit_rate_at_the_same_capacity():
         capacity = cache.gpu.num_blocks + cache.host.num_blocks
     served = [requests[i] for i in result.served]
     assert sum(result.hit_blocks.values()) <= optimal_hits(served, capacity, 512)
+
+
+def shared_config(**disk):
+    layout = {"num_layers": 1, "block_size": 16, "num_kv_heads": 1, "head_dim": 8}
+    tiers = {"gpu": {"num_blocks": 10}, "cpu": {}, "disk": {"chunk_blocks": 32, **disk}}
+    return parse_config({"layout": layout, "tiers": tiers})
+
+
+def test_shares_size_each_tier_in_whole_trace_blocks_of_the_distinct_ones():
+    requests = [TraceRequest(0, 512 * 40, tuple(range(40))), TraceRequest(1, 512, (0,))]
+    config = sized_to_shares(shared_config(), requests, [5, 12.5, 30])  # of 40 blocks
+    tiers, nbytes = config.tiers, config.layout.block_nbytes
+    assert tiers.gpu.num_blocks == 2 * 32  # 2 trace blocks of 32 cache blocks
+    assert tiers.cpu.capacity == 5 * 32 * nbytes
+    assert tiers.disk.capacity == 12 * 32 * nbytes
+    assert tiers.disk.chunk_blocks == 32 and tiers.spill_order == ("disk",)
+
+
+def test_two_shares_leave_the_disk_tier_out():
+    requests = [TraceRequest(0, 512 * 40, tuple(range(40)))]
+    tiers = sized_to_shares(shared_config(), requests, [5, 10]).tiers
+    assert tiers.disk is None and tiers.spill_order == ()

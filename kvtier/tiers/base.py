@@ -28,6 +28,10 @@ ValueSink = Callable[[int, memoryview], None]
 # Receives the (key, value) pairs a tier evicted to make room, after they are gone.
 EvictionSink = Callable[[list[tuple[bytes, bytes]]], None]
 
+# How many requests used each key's block (``kvtier.eviction``), for a tier whose
+# eviction policy ranks by it.
+UseHint = Callable[[Sequence[bytes]], list[int]]
+
 
 class TierError(RuntimeError):
     """The tier's store could not be reached or failed; the batch did not happen."""
@@ -51,6 +55,10 @@ class SpillTier(ABC):
     # whose put caused the eviction, after its batch has committed. A tier whose store
     # evicts on its own (Redis under maxmemory) never calls it.
     on_evict: EvictionSink | None = None
+    # Set by the owner to the use counts of the cache's blocks; a tier whose eviction
+    # policy ranks by them (LMDB under ``reuse``) asks it for the keys it writes and
+    # reads. Without it every key counts as used once.
+    uses: UseHint | None = None
 
     @property
     def evictions(self) -> int:

@@ -1,48 +1,52 @@
-"""The disk tier: chunk values in one LMDB environment, with LRU eviction kept in LMDB.
+"""The disk tier: chunk values in one LMDB environment, with their eviction order in LMDB.
 
 On-disk schema
 --------------
-One LMDB environment (a directory holding ``data.mdb`` and ``lock.mdb``) with four
-named sub-databases. Integers are 8-byte big-endian, so byte order is numeric order.
+One LMDB environment (a directory holding ``data.mdb`` and ``lock.mdb``) with named
+sub-databases. Integers are 8-byte big-endian, so byte order is numeric order.
 
 =========  ==============================  ===========================================
 database   key                             value
 =========  ==============================  ===========================================
 ``data``   chunk key (16 bytes, as given)  the chunk value (opaque bytes, may be empty)
-``atime``  chunk key                       sequence number of its last use (8 bytes)
-``lru``    sequence number + chunk key     ``b""`` (an index: first entry = LRU value)
-``meta``   ``b"version"``                  schema version (8 bytes, now 1)
+``meta``   ``b"version"``                  schema version (8 bytes, now 2)
            ``b"nbytes"``                   total bytes of all values in ``data``
            ``b"seq"``                      the next sequence number
 =========  ==============================  ===========================================
 
-Every key in ``data`` has exactly one ``atime`` entry and one ``lru`` entry, and
-``meta[nbytes]`` is the sum of the lengths of the ``data`` values. Every method keeps
-these invariants inside a single transaction, so they hold in every committed state;
-the number of entries is ``data``'s B-tree count (no separate counter).
+and the eviction order's (``lmdb_order``): ``atime`` (key -> sequence number of its
+last use), ``lru`` and ``protected`` (sequence number + key: the queues, first entry
+oldest) and the reuse policy's ghost lists. Every key in ``data`` has exactly one
+``atime`` entry and one queue entry, and ``meta[nbytes]`` is the sum of the lengths of
+the ``data`` values. Every method keeps these invariants inside a single transaction,
+so they hold in every committed state; the number of entries is ``data``'s B-tree
+count (no separate counter). Version 1 (before ``protected`` and the ghosts) is read
+as version 2 and becomes it.
 
 Eviction protocol
 -----------------
-A use (a put, or a read that found the key) takes the next sequence number from
-``meta[seq]``, deletes the key's old ``lru`` entry and writes the new one, so the
-start of ``lru`` is always the least recently used key. ``put_many`` runs in one write
-transaction: for each value it first removes an overwritten value's bytes from the
-total, then, while ``nbytes + len(value) > capacity``, deletes the first ``lru`` entry
-together with its ``data`` and ``atime`` entries, then writes the value. A value longer
-than ``capacity`` is skipped (not stored, nothing evicted). Within one batch a later
-value may evict an earlier one; ``put_many`` counts both as stored. ``get_many`` reads in one
-read transaction (values are handed to the sink zero-copy, straight out of the memory
-map) and records the keys it found as used in memory: the next write transaction of
-this tier (a put, a delete, or at the latest one of its own once ``MAX_PENDING_USES``
-keys wait, or at ``close``) bumps them first, in the order they were read. So a read
-never waits for LMDB's writer lock nor pays for a commit, and this process's own
-evictions see every read; another process's evictions see them once written. Opening a store
-with a smaller ``capacity`` than it holds evicts down to the new capacity at once.
+The order is the policy the tier was opened with (``eviction``: ``kvtier.eviction``;
+opening a store another policy ordered adopts it). A use (a put, or a read that found
+the key) takes the next sequence number from ``meta[seq]`` and requeues the key as the
+newest of its queue (under ``reuse``, the queue its use count from ``uses`` picks).
+``put_many`` runs in one write transaction: for each value it first removes an
+overwritten value's bytes from the total (and its queue entry), then, while ``nbytes +
+len(value) > capacity``, deletes the order's victim together with its ``data`` entry,
+then writes the value. A value longer than ``capacity`` is skipped (not stored,
+nothing evicted). Within one batch a later value may evict an earlier one;
+``put_many`` counts both as stored. ``get_many`` reads in one read transaction (values
+are handed to the sink zero-copy, straight out of the memory map) and records the
+keys it found as used in memory: the next write transaction of this tier (a put, a
+delete, or at the latest one of its own once ``MAX_PENDING_USES`` keys wait, or at
+``close``) bumps them first, in the order they were read. So a read never waits for
+LMDB's writer lock nor pays for a commit, and this process's own evictions see every
+read; another process's evictions see them once written. Opening a store with a
+smaller ``capacity`` than it holds evicts down to the new capacity at once.
 
 The memory map grows on demand: it starts at ``min(1.25 * capacity + 16 MiB, 64 MiB)``
 (or the ``map_size`` argument, or the size the store already has) and doubles on
 ``MapFullError`` up to ``1.5 * capacity + 64 MiB`` (room for B-tree pages, the
-``atime``/``lru`` indexes and pages LMDB cannot reuse while readers hold old
+order's indexes and pages LMDB cannot reuse while readers hold old
 snapshots); the failed batch is then retried. A store fuller than that raises
 ``TierError``.
 
@@ -112,21 +116,20 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import lmdb
 
+from kvtier.config import DiskTierConfig, EvictionPolicy
 from kvtier.tiers.base import Buffer, SpillTier, TierError, TierUsage, ValueSink
-
-if TYPE_CHECKING:
-    from kvtier.config import DiskTierConfig
+from kvtier.tiers.lmdb_order import ORDERS, OrderState
 
 __all__ = ["LMDBTier"]
 
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 INITIAL_MAP_CAP = 64 * MiB  # the map starts at most this big ...
 MAP_SLACK = 64 * MiB  # ... and grows to at most capacity * MAP_GROWTH_LIMIT + MAP_SLACK
 MAP_GROWTH_LIMIT = 1.5
@@ -152,7 +155,6 @@ FS_SLACK = 16 * MiB  # free space (at most 1/8 of the file system) a write keeps
 FULL_DISK_SHRINK = 0.9  # on a nearly full disk, capacity drops to this share of what is held
 
 _VERSION, _NBYTES, _SEQ = b"version", b"nbytes", b"seq"
-_SEQ_LEN = 8
 T = TypeVar("T")
 
 
@@ -221,7 +223,9 @@ _open_stores_lock = threading.Lock()
 
 
 class LMDBTier(SpillTier):
-    """A disk spill tier: an LMDB store of at most ``capacity`` value bytes, LRU-evicted.
+    """A disk spill tier: an LMDB store of at most ``capacity`` value bytes, evicted in
+    the order of the ``eviction`` policy (``kvtier.eviction``; the config's default is
+    ``reuse``, which needs the owner to set ``uses``).
 
     ``map_size`` overrides the initial memory-map size (bytes; it grows on demand).
     Raises ``TierError`` if the store cannot be opened, ``ValueError`` for bad arguments.
@@ -235,12 +239,16 @@ class LMDBTier(SpillTier):
         name: str = "disk",
         *,
         map_size: int | None = None,
+        eviction: EvictionPolicy = "lru",
     ) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity: expected a positive number of bytes, got {capacity!r}")
         if isinstance(chunk_blocks, bool) or not isinstance(chunk_blocks, int) or chunk_blocks < 1:
             raise ValueError(f"chunk_blocks: expected a positive int, got {chunk_blocks!r}")
+        if eviction not in ORDERS:
+            raise ValueError(f"eviction: expected one of {', '.join(ORDERS)}, got {eviction!r}")
         self.name = name
+        self.eviction = eviction
         self.chunk_blocks = chunk_blocks
         self.path = Path(path)
         self.capacity = capacity
@@ -283,7 +291,9 @@ class LMDBTier(SpillTier):
     @classmethod
     def from_config(cls, cfg: DiskTierConfig) -> LMDBTier:
         """The tier described by a ``tiers.disk`` config section."""
-        return cls(cfg.resolved_path, cfg.capacity, cfg.chunk_blocks, name="disk")
+        return cls(
+            cfg.resolved_path, cfg.capacity, cfg.chunk_blocks, name="disk", eviction=cfg.eviction
+        )
 
     # --- opening and closing -------------------------------------------------------
 
@@ -323,21 +333,23 @@ class LMDBTier(SpillTier):
             with txn.cursor() as cur:
                 fresh = not cur.first()  # nothing in the main database: a new store
             self._data = env.open_db(b"data", txn=txn)
-            self._atime = env.open_db(b"atime", txn=txn)
-            self._lru = env.open_db(b"lru", txn=txn)
             self._meta = env.open_db(b"meta", txn=txn)
             version = txn.get(_VERSION, db=self._meta)
             if version is None:
                 if not fresh:
                     raise TierError(f"{self.name}: {self.path} is an LMDB store but not kvtier's")
-                txn.put(_VERSION, _u64(SCHEMA_VERSION), db=self._meta)
                 txn.put(_NBYTES, _u64(0), db=self._meta)
                 txn.put(_SEQ, _u64(0), db=self._meta)
-            elif _int(version) != SCHEMA_VERSION:
+            elif _int(version) not in (1, SCHEMA_VERSION):
                 raise TierError(
                     f"{self.name}: {self.path} has kvtier LMDB schema version {_int(version)}, "
-                    f"this kvtier reads version {SCHEMA_VERSION}"
+                    f"this kvtier reads versions 1 and {SCHEMA_VERSION}"
                 )
+            # Version 1 is version 2 with every key in lru and no ghosts: only its number
+            # changes.
+            txn.put(_VERSION, _u64(SCHEMA_VERSION), db=self._meta)
+            self._order = ORDERS[self.eviction](env, txn, self._data, self._meta)
+            self._order.adopt(txn)
 
         self._run(init, write=True)
         if self.usage().nbytes > self.capacity:  # reopened with a smaller capacity
@@ -514,30 +526,20 @@ class LMDBTier(SpillTier):
         return uses
 
     def _bump(self, txn: lmdb.Transaction, keys: list[bytes]) -> None:
-        """Make ``keys`` the most recently used, in order; a key deleted since it was
+        """Make ``keys`` the newest of their queues, in order; a key deleted since it was
         read stays deleted."""
-        replace, delete, put = txn.replace, txn.delete, txn.put
-        atime, lru, meta = self._atime, self._lru, self._meta
+        keys = list(reversed(dict.fromkeys(reversed(keys))))  # each once, at its last use
+        touch, meta = self._order.touch, self._meta
         seq = _int(txn.get(_SEQ, db=meta))
-        # Each key once, at its last use; _touch inlined (a per-key cost).
-        for key in reversed(dict.fromkeys(reversed(keys))):
-            stamp = seq.to_bytes(8, "big")
-            old = replace(key, stamp, db=atime)  # a copy of the old stamp
-            if old is None:  # gone since it was read
-                delete(key, db=atime)
-                continue
-            delete(old + key, db=lru)
-            put(stamp + key, b"", db=lru)
-            seq += 1
-        put(_SEQ, _u64(seq), db=meta)
+        for key, uses in zip(keys, self._uses_of(keys)):
+            seq += touch(txn, key, seq, uses)
+        txn.put(_SEQ, _u64(seq), db=meta)
 
-    def _touch(self, txn: lmdb.Transaction, key: bytes, seq: int) -> None:
-        """Make ``key`` (stored) the most recently used, with sequence number ``seq``."""
-        stamp = _u64(seq)
-        old = txn.replace(key, stamp, db=self._atime)  # a copy of the old stamp
-        if old is not None:
-            txn.delete(old + key, db=self._lru)
-        txn.put(stamp + key, b"", db=self._lru)
+    def _uses_of(self, keys: Sequence[bytes]) -> Sequence[int]:
+        """The use counts of ``keys`` where the eviction order ranks by them, else 1s."""
+        if self.uses is None or not self._order.ranks_by_uses:
+            return [1] * len(keys)
+        return self.uses(keys)
 
     def _remove(self, txn: lmdb.Transaction, key: bytes) -> int:
         """Delete ``key`` from all databases; returns its value's length (-1: absent)."""
@@ -546,10 +548,7 @@ class LMDBTier(SpillTier):
             return -1
         size = len(value)
         txn.delete(key, db=self._data)
-        stamp = txn.get(key, db=self._atime)
-        if stamp is not None:
-            txn.delete(bytes(stamp) + key, db=self._lru)
-            txn.delete(key, db=self._atime)
+        self._order.unplace(txn, key)
         return size
 
     def _evict(
@@ -560,28 +559,32 @@ class LMDBTier(SpillTier):
         evicted: list[tuple[bytes, bytes]],
         keep_values: bool,
     ) -> int:
-        """Delete LRU entries until ``room`` more bytes fit beside ``total`` bytes.
+        """Evict the eviction order's victims until ``room`` more bytes fit beside
+        ``total`` bytes.
 
         Returns the new total; appends ``(key, value)`` to ``evicted`` for each value
         that went (the value copied out when ``keep_values``, else ``b""``). The caller
         writes the total to ``meta`` and reports the evictions once it has committed.
         """
-        with txn.cursor(db=self._lru) as cur:
-            while total + room > self.capacity and cur.first():
-                key = bytes(cur.key()[_SEQ_LEN:])
-                cur.delete()
-                txn.delete(key, db=self._atime)
-                value = txn.get(key, db=self._data)
-                if value is not None:
-                    total -= len(value)
-                    evicted.append((key, bytes(value) if keep_values else b""))
-                    txn.delete(key, db=self._data)
+        while total + room > self.capacity:
+            key = self._order.victim(txn)
+            if key is None:
+                break
+            value = txn.get(key, db=self._data)
+            if value is not None:
+                total -= len(value)
+                evicted.append((key, bytes(value) if keep_values else b""))
+                txn.delete(key, db=self._data)
         return total
 
     def _count_evictions(self, n: int) -> None:
         if n:
             with self._stats_lock:
                 self._evictions += n
+
+    def order_state(self) -> OrderState:
+        """The eviction order's queues, ghost lists and delta (for tests and inspection)."""
+        return self._run(self._order.state, write=False)
 
     @property
     def evictions(self) -> int:
@@ -646,6 +649,9 @@ class LMDBTier(SpillTier):
         data, meta = self._data, self._meta
 
         keep = self.on_evict is not None  # evicted values are copied out only if taken
+        order = self._order
+        keys = [bytes(key) for key, _ in items]
+        uses = self._uses_of(keys)
 
         def put(txn: lmdb.Transaction) -> tuple[int, list[tuple[bytes, bytes]]]:
             capacity = self.capacity
@@ -653,8 +659,7 @@ class LMDBTier(SpillTier):
             seq = _int(txn.get(_SEQ, db=meta))
             stored = 0
             evicted: list[tuple[bytes, bytes]] = []
-            for key, value in items:
-                key = bytes(key)
+            for key, (_, value), n in zip(keys, items, uses):
                 size = memoryview(value).nbytes
                 if size > capacity:
                     continue
@@ -663,14 +668,13 @@ class LMDBTier(SpillTier):
                     if only_new:
                         continue
                     total -= len(old)
-                    stamp = txn.get(key, db=self._atime)
-                    if stamp is not None:  # keep it out of the eviction below
-                        txn.delete(bytes(stamp) + key, db=self._lru)
-                        txn.delete(key, db=self._atime)
+                    order.unplace(txn, key)  # keep it out of the eviction below
+                else:
+                    order.returned(txn, key)
                 if total + size > capacity:
                     total = self._evict(txn, total, size, evicted, keep)
                 txn.put(key, value, db=data)
-                self._touch(txn, key, seq)
+                order.place(txn, key, seq, n)
                 seq += 1
                 total += size
                 stored += 1
@@ -729,8 +733,8 @@ class LMDBTier(SpillTier):
     def clear(self) -> int:
         def clear(txn: lmdb.Transaction) -> int:
             n = txn.stat(self._data)["entries"]
-            for db in (self._data, self._atime, self._lru):
-                txn.drop(db, delete=False)
+            txn.drop(self._data, delete=False)
+            self._order.clear(txn)
             txn.put(_NBYTES, _u64(0), db=self._meta)
             return n
 
