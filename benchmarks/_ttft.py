@@ -9,6 +9,8 @@ hit against its limit ``TTFT(host hit) + T(raw read)``, target ``TARGET``.
 
 from __future__ import annotations
 
+import argparse
+import os
 import random
 import statistics
 import subprocess
@@ -21,7 +23,9 @@ from typing import NamedTuple
 import lmdb
 import numpy as np
 import redis
-from _report import Result, summarize
+from _report import Result, machine_info, print_table, standard_args, summarize, write_json
+
+from kvtier.progress import progress
 
 TARGET = 1.25  # a spill hit's TTFT over its limit
 LIMIT = "limit: TTFT(host hit) + raw read of the same bytes (same run)"
@@ -125,6 +129,71 @@ def results(
                    higher_is_better=False)
         )  # fmt: skip
     return rows, breakdown
+
+
+Plan = tuple[str, Callable[[], list[Sample]]]  # a case and what measures it
+
+
+def run_plans(
+    plans: list[Plan], n_tokens: int, redis_url: str | None, key_prefix: str
+) -> tuple[list[Result], dict[str, dict[str, float]]]:
+    """Measure each case of ``plans`` at one prompt size (deleting the Redis keys under
+    ``key_prefix`` afterwards): its rows and breakdown, as ``results`` gives them."""
+    samples: dict[str, list[Sample]] = {}
+    try:
+        for case, run in progress(plans, desc=f"cases, {n_tokens}-token prompts"):
+            samples[case] = run()
+    finally:
+        if redis_url is not None:
+            delete_prefix(redis_url, key_prefix)
+    return results(samples, f"{n_tokens}-token prompt")
+
+
+def ttft_args(description: str) -> argparse.ArgumentParser:
+    """``standard_args`` and the options every TTFT benchmark takes."""
+    parser = standard_args(description)
+    parser.add_argument("--prompt-tokens", type=int, nargs="+",
+                        help="prompt sizes (default 2048 8192; 2048 with --quick)")  # fmt: skip
+    parser.add_argument("--repeats", type=int, help="timed prompts per case (default 3; 1 quick)")
+    return parser
+
+
+def sizes_and_repeats(args: argparse.Namespace) -> tuple[list[int], int]:
+    """The prompt sizes and timed prompts per case ``ttft_args``' options ask for."""
+    sizes = args.prompt_tokens or ([2048] if args.quick else [2048, 8192])
+    return sizes, args.repeats or (1 if args.quick else 3)
+
+
+def measure_sizes(
+    benchmark: str,
+    title: str,
+    sizes: list[int],
+    measure: Callable[[int], tuple[list[Result], dict[str, dict[str, float]]]],
+    out: str | None,
+) -> int:
+    """Run ``measure`` (rows and breakdown of one prompt size) at every size, print the
+    table and the breakdown under ``title``, write the JSON to ``out`` if given."""
+    rows: list[Result] = []
+    breakdown: dict[str, dict[str, float]] = {}
+    for n_tokens in sizes:
+        size_rows, size_breakdown = measure(n_tokens)
+        rows += size_rows
+        breakdown |= size_breakdown
+    print(title)
+    print_table(rows)
+    print_breakdown(breakdown)
+    if out:
+        write_json(out, benchmark, rows, machine_info(), {"breakdown": breakdown})
+    return 0
+
+
+def bench_redis_url() -> str | None:
+    """``KVTIER_BENCH_REDIS`` (default the local server), or None when none answers."""
+    url = os.environ.get("KVTIER_BENCH_REDIS", "redis://127.0.0.1:6379/0")
+    if redis_reachable(url):
+        return url
+    print(f"note: no Redis at {url}: the redis case is skipped", file=sys.stderr)
+    return None
 
 
 def print_breakdown(breakdown: dict[str, dict[str, float]]) -> None:

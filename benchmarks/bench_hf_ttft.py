@@ -25,29 +25,28 @@ comes from kvtier's trace (``metrics.trace_path``).
 
 from __future__ import annotations
 
-import os
-import sys
 import tempfile
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from _report import Result, machine_info, print_table, standard_args, write_json
+from _report import Result
 from _ttft import (
+    Plan,
     RawReader,
     Sample,
-    delete_prefix,
-    print_breakdown,
+    bench_redis_url,
+    measure_sizes,
     prompts,
-    redis_reachable,
-    results,
+    run_plans,
+    sizes_and_repeats,
+    ttft_args,
 )
 
 from kvtier.config import parse_config
 from kvtier.demo import DEMO_MODEL, build_model
 from kvtier.integrations.hf import CachedLM, recompute
-from kvtier.progress import progress
 from kvtier.trace import phases, read_trace
 
 BENCHMARK = "bench_hf_ttft"
@@ -152,7 +151,7 @@ def run_size(
     def recomputed() -> list[Sample]:
         return [Sample(bench.expected[i].ttft_seconds, {}, None) for i in timed]
 
-    plans: list[tuple[str, Callable[[], list[Sample]]]] = [
+    plans: list[Plan] = [
         ("recompute", recomputed),
         ("host hit", steady("cpu hit", {"cpu": {"capacity": 2 * one_prompt}}, None)),
         ("disk hit, steady state",
@@ -164,40 +163,18 @@ def run_size(
         tiers = {"cpu": small_host, "redis": redis_tier}
         raw_redis = RawReader(url=redis_url, prefix=key_prefix)
         plans.append(("redis hit", steady("redis hit", tiers, raw_redis)))
-    samples: dict[str, list[Sample]] = {}
-    try:
-        for case, run in progress(plans, desc=f"cases, {n_tokens}-token prompts"):
-            samples[case] = run()
-    finally:
-        if redis_url is not None:
-            delete_prefix(redis_url, key_prefix)
-    return results(samples, f"{n_tokens}-token prompt")
+    return run_plans(plans, n_tokens, redis_url, key_prefix)
 
 
 def main() -> int:
-    parser = standard_args(__doc__.split("\n")[0])
-    parser.add_argument("--prompt-tokens", type=int, nargs="+",
-                        help="prompt sizes (default 2048 8192; 2048 with --quick)")  # fmt: skip
-    parser.add_argument("--repeats", type=int, help="timed prompts per case (default 3; 1 quick)")
+    parser = ttft_args(__doc__.split("\n")[0])
     args = parser.parse_args()
-    sizes = args.prompt_tokens or ([2048] if args.quick else [2048, 8192])
-    repeats = args.repeats or (1 if args.quick else 3)
-    redis_url = os.environ.get("KVTIER_BENCH_REDIS", "redis://127.0.0.1:6379/0")
-    if not redis_reachable(redis_url):
-        print(f"note: no Redis at {redis_url}: the redis case is skipped", file=sys.stderr)
-        redis_url = None
-    rows: list[Result] = []
-    breakdown: dict[str, dict[str, float]] = {}
-    for n_tokens in sizes:
-        size_rows, size_phases = run_size(n_tokens, repeats, redis_url)
-        rows += size_rows
-        breakdown |= size_phases
-    print(f"CachedLM TTFT, demo Llama float32, {repeats} timed prompt(s) per case")
-    print_table(rows)
-    print_breakdown(breakdown)
-    if args.out:
-        write_json(args.out, BENCHMARK, rows, machine_info(), {"breakdown": breakdown})
-    return 0
+    sizes, repeats = sizes_and_repeats(args)
+    redis_url = bench_redis_url()
+    title = f"CachedLM TTFT, demo Llama float32, {repeats} timed prompt(s) per case"
+    return measure_sizes(
+        BENCHMARK, title, sizes, lambda n: run_size(n, repeats, redis_url), args.out
+    )
 
 
 if __name__ == "__main__":

@@ -38,8 +38,6 @@ and its output must equal the recompute's (greedy), or the script fails.
 
 from __future__ import annotations
 
-import os
-import sys
 import tempfile
 import time
 import uuid
@@ -47,21 +45,22 @@ from collections.abc import Callable
 from pathlib import Path
 
 import yaml
-from _report import Result, machine_info, print_table, standard_args, write_json
+from _report import Result
 from _ttft import (
+    Plan,
     RawReader,
     Sample,
-    delete_prefix,
-    print_breakdown,
+    bench_redis_url,
+    measure_sizes,
     prompts,
-    redis_reachable,
-    results,
+    run_plans,
+    sizes_and_repeats,
+    ttft_args,
 )
 
 from kvtier.demo import DEMO_MODEL
 from kvtier.integrations.vllm_engine import save_model
 from kvtier.integrations.vllm_server import VLLMServer
-from kvtier.progress import progress
 from kvtier.trace import phases, read_trace
 
 BENCHMARK = "bench_vllm_ttft"
@@ -153,19 +152,18 @@ def run_size(
     redis_tier = {"url": redis_url, "key_prefix": key_prefix, "chunk_blocks": 1,
                   "required": True, "write_policy": "write_through"}  # fmt: skip
     timed = range(1, repeats + 1)  # prompt 0 stores the prefix
-    Samples = list[Sample]
 
     def steady(
         tier: str | None, tiers: dict | None, raw: RawReader | None, *flags: str
-    ) -> Callable[[], Samples]:
-        def run() -> Samples:
+    ) -> Callable[[], list[Sample]]:
+        def run() -> list[Sample]:
             with bench.server(tiers, flags) as server:
                 server.complete(bench.asked[0], max_tokens=4)
                 return [bench.timed(server, i, tier, tier or "recompute", raw) for i in timed]
 
         return run
 
-    def restarted() -> Samples:
+    def restarted() -> list[Sample]:
         tiers = {"cpu": {"capacity": host}, "disk": disk}
         with bench.server(tiers) as server:
             server.complete(bench.asked[0], max_tokens=4)
@@ -176,7 +174,7 @@ def run_size(
                 out.append(bench.timed(server, i, "disk", "disk hit, new process", raw))
         return out
 
-    plans: list[tuple[str, Callable[[], Samples]]] = [
+    plans: list[Plan] = [
         ("recompute", steady(None, None, None, "--no-enable-prefix-caching")),
         ("host hit", steady("cpu", {"cpu": {"capacity": host}}, None)),
         ("disk hit, steady state",
@@ -189,45 +187,22 @@ def run_size(
         plans.append(("redis hit", steady("redis", tiers, raw_redis)))
     if only:
         plans = [p for p in plans if p[0] in ("recompute", "host hit") or p[0].split()[0] in only]
-    samples: dict[str, Samples] = {}
-    try:
-        for case, run in progress(plans, desc=f"cases, {n_tokens}-token prompts"):
-            samples[case] = run()
-    finally:
-        if redis_url is not None:
-            delete_prefix(redis_url, key_prefix)
-
-    return results(samples, f"{n_tokens}-token prompt")
+    return run_plans(plans, n_tokens, redis_url, key_prefix)
 
 
 def main() -> int:
-    parser = standard_args(__doc__.split("\n")[0])
-    parser.add_argument("--prompt-tokens", type=int, nargs="+",
-                        help="prompt sizes (default 2048 8192; 2048 with --quick)")  # fmt: skip
-    parser.add_argument("--repeats", type=int, help="timed prompts per case (default 3; 1 quick)")
+    parser = ttft_args(__doc__.split("\n")[0])
     parser.add_argument(
         "--only", nargs="+", metavar="TIER", choices=("disk", "redis"),
         help="run only these spill cases (and the recompute and host hit they are judged by)",
     )  # fmt: skip
     args = parser.parse_args()
-    sizes = args.prompt_tokens or ([2048] if args.quick else [2048, 8192])
-    repeats = args.repeats or (1 if args.quick else 3)
-    redis_url = os.environ.get("KVTIER_BENCH_REDIS", "redis://127.0.0.1:6379/0")
-    if not redis_reachable(redis_url):
-        print(f"note: no Redis at {redis_url}: the redis case is skipped", file=sys.stderr)
-        redis_url = None
-    results: list[Result] = []
-    breakdown: dict[str, dict[str, float]] = {}
-    for n_tokens in sizes:
-        rows, phases_ = run_size(n_tokens, repeats, args.only, redis_url)
-        results += rows
-        breakdown |= phases_
-    print(f"vLLM server TTFT, demo Llama {DTYPE}, {repeats} timed prompt(s) per case")
-    print_table(results)
-    print_breakdown(breakdown)
-    if args.out:
-        write_json(args.out, BENCHMARK, results, machine_info(), {"breakdown": breakdown})
-    return 0
+    sizes, repeats = sizes_and_repeats(args)
+    redis_url = bench_redis_url()
+    title = f"vLLM server TTFT, demo Llama {DTYPE}, {repeats} timed prompt(s) per case"
+    return measure_sizes(
+        BENCHMARK, title, sizes, lambda n: run_size(n, repeats, args.only, redis_url), args.out
+    )
 
 
 if __name__ == "__main__":
