@@ -3,9 +3,8 @@
 Slots follow the same bookkeeping as GPU blocks (``BlockPool``): a hash -> slot map,
 ref counts that pin a slot while it is read or written, and a queue of unpinned
 slots that are reused in eviction-policy order (and reported to the spill hook) when
-space runs out. Each
-slot records its block hash, parent hash and chain position, so that a chain's
-aligned chunks can be reassembled for the spill tiers.
+space runs out. Each slot records its block hash, parent hash and chain position, so
+that a chain's aligned chunks can be reassembled for the spill tiers.
 
 The slab is pinned when CUDA is available (``pin_memory`` None) or when asked, so
 that copies to and from the GPU are truly asynchronous. Registering one huge range

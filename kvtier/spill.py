@@ -682,10 +682,9 @@ class SpillManager:
                 self._pending -= nbytes
             raise
         finally:
-            with self._host_lock:
-                if self._landed.get(tier.name) is not None:
-                    for key, _, chunk_slots in chunks:
-                        blocks[key] = self.host.cached_blocks(chunk_slots).hashes
+            with self._host_lock:  # only write-through tiers' chunks come here
+                for key, _, chunk_slots in chunks:
+                    blocks[key] = self.host.cached_blocks(chunk_slots).hashes
                 self.host.free(slots)
         return items, blocks
 
