@@ -558,7 +558,9 @@ class TieredCache:
             hashes = self.manager.request(req_id).hashes
             lo = p.first + n_host
             parent = hashes[lo - 1] if lo else self.manager.hasher.root
-            self.below.publish_loaded(p.spill_slots[:loaded], hashes[lo : lo + loaded], lo, parent)
+            self.below.publish_loaded(
+                p.spill_slots[:loaded], hashes[lo : lo + loaded], lo, parent, p.runs
+            )
         self.host.free((p.host_slots + p.spill_slots)[::-1])
         if valid:
             self.manager.publish(req_id, p.first + valid)

@@ -664,7 +664,9 @@ class ConnectorCache:
         if loaded:  # blocks read from the spill tiers are host-cached now too
             keys = p.keys[n_host : n_host + loaded]
             parent = p.keys[n_host - 1] if n_host else p.parent
-            self.below.publish_loaded(p.spill_slots[:loaded], keys, p.start + n_host, parent)
+            self.below.publish_loaded(
+                p.spill_slots[:loaded], keys, p.start + n_host, parent, p.runs
+            )
             self._changes.update(dict.fromkeys(keys, True))
         self.host.free(p.slots[::-1])
         from_host = min(p.valid, n_host)

@@ -100,13 +100,19 @@ class HostTiers:
         return self.host.allocate(n), truncate_runs(runs, n)
 
     def publish_loaded(
-        self, slots: Sequence[int], keys: Sequence[bytes], first: int, parent: bytes
+        self,
+        slots: Sequence[int],
+        keys: Sequence[bytes],
+        first: int,
+        parent: bytes,
+        runs: Sequence[SpillRun],
     ) -> None:
-        """Make ``slots``, which a load filled from the spill tiers with the blocks
+        """Make ``slots``, which a load filled from the spill ``runs`` with the blocks
         ``keys`` at chain positions ``first..`` (``parent`` before the first), hittable
-        in the host pool too."""
+        in the host pool too; the spill manager learns which tier holds each."""
         parents = [parent, *keys[:-1]]
         self.host.publish(slots, keys, range(first, first + len(keys)), parents)
+        self.spill.on_loaded(runs, keys, first)
 
     def flush(self) -> None:
         """Wait for every spill write in flight (and the writes they cascade into)."""

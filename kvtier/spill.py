@@ -22,12 +22,13 @@ not held for a copy and a hash of every block its offloads bring in:
   value per chunk however many of its blocks go).
 - ``write_through`` tiers: a chunk is written as soon as all its ``C`` blocks are in
   the host pool (so other instances sharing the tier see it early), and again offered
-  when its blocks are evicted, as the runs above, unless it landed less than
-  ``LANDED_SECONDS`` before (so a write that failed during an outage, or a value the
-  tier may have dropped since, gets another chance, while an eviction does not encode
-  again what the tier has just stored; the size check below skips what is there). Blocks
-  usually reach the host tail first, so a chunk whose tail arrived before its head is
-  remembered under the hash it was missing and completed when that block arrives.
+  when its blocks are evicted, as the runs above, unless it landed (or a load read
+  it from the tier) less than ``LANDED_SECONDS`` before (so a write that failed during
+  an outage, or a value the tier may have dropped since, gets another chance, while an
+  eviction does not encode again what the tier has just stored or supplied; the size
+  check below skips what is there). Blocks usually reach the host tail first, so a
+  chunk whose tail arrived before its head is remembered under the hash it was
+  missing and completed when that block arrives.
 - cascade: a tier that evicts values to make room (LMDB) passes them to the next tier
   in spill order, when both use the same chunk size (a value cannot be re-chunked:
   it does not carry the hashes of its inner blocks).
@@ -129,8 +130,9 @@ class Outage:
 
 
 OUTAGE_LOG_INTERVAL = 60.0  # seconds: at most one "down" line per tier in this time
-# Seconds for which a block whose write-through chunk landed is taken to be in that
-# tier: evicted from the host pool within them, its chunk is not offered again.
+# Seconds for which a block whose write-through chunk landed (or that a load read from
+# the tier) is taken to be in that tier: evicted from the host pool within them, its
+# chunk is not offered again.
 LANDED_SECONDS = 60.0
 
 
@@ -314,8 +316,9 @@ class SpillManager:
         self._through = [t for t in self.tiers if t.name in write_through]
         back = [t for t in self.tiers if t.name not in write_through]
         self._back = back[0] if back else None
-        # Blocks whose write-through chunk landed, per write-through tier: hash -> when
-        # (``time.monotonic``), until the host pool evicts them (see ``on_host_evict``).
+        # Blocks whose write-through chunk landed, or that a load read from the tier, per
+        # write-through tier: hash -> when (``time.monotonic``), until the host pool
+        # evicts them (see ``on_host_evict``).
         self._landed: dict[str, dict[bytes, float]] = {t.name: {} for t in self._through}
         # Incomplete write-through chunks: missing hash -> (tier, tail hash, tail position).
         self._waiting: dict[bytes, list[tuple[SpillTier, bytes, int]]] = {}
@@ -483,6 +486,21 @@ class SpillManager:
             log.warning("kvtier: rejected %s value %s (%s); deleting it", name, key.hex(), reason)
             tier = by_name[name]
             self._background(tier, self._writers, partial(tier.delete_many, [key]))
+
+    def on_loaded(self, runs: Sequence[SpillRun], hashes: Sequence[bytes], first: int) -> None:
+        """Blocks ``hashes`` (chain positions ``first..``, as many as loaded) were read
+        from ``runs``: each is in its run's tier as surely as a chunk that just landed
+        there, so a write-through tier is not offered it again when the host pool evicts
+        it (a load staged after a load would otherwise re-encode what it just read)."""
+        through = {t.name for t in self._through}
+        now = time.monotonic()
+        with self._lock:
+            for run in runs:
+                if run.tier in through:
+                    lo = run.first_block - first
+                    got = hashes[lo : lo + run.num_blocks]
+                    self._landed[run.tier].update(dict.fromkeys(got, now))
+            self._trim_landed()
 
     def count_unstaged(self, promised: Sequence[SpillRun], staged: Sequence[SpillRun]) -> None:
         """Count the blocks of ``promised`` runs that ``staged`` (cut to the host slots
@@ -784,8 +802,14 @@ class SpillManager:
         landed, now = self._landed[tier.name], time.monotonic()
         for hashes in chunks:
             landed.update(dict.fromkeys(hashes, now))
-        for _ in range(len(landed) - 2 * self.host.num_blocks):
-            del landed[next(iter(landed))]
+        self._trim_landed()
+
+    def _trim_landed(self) -> None:
+        """Keep at most twice the host pool's blocks in each tier's landed records, the
+        newest (under ``_lock``)."""
+        for landed in self._landed.values():
+            for _ in range(len(landed) - 2 * self.host.num_blocks):
+                del landed[next(iter(landed))]
 
     def _not_landed(self, tier: SpillTier, victims: CachedBlocks) -> CachedBlocks:
         """The victims whose write-through chunk did not land in ``tier`` within the last

@@ -20,7 +20,7 @@ from kvtier.chunk import ChunkCodec, byte_rows
 from kvtier.config import parse_config
 from kvtier.host_pool import HostPool
 from kvtier.layout import KVLayout
-from kvtier.spill import SpillManager
+from kvtier.spill import SpillManager, SpillRun
 from kvtier.synthetic import serve
 from kvtier.tiers.lmdb import LMDBTier
 from kvtier.tiers.redis import RedisTier
@@ -367,6 +367,19 @@ def test_chunks_a_write_through_landed_are_not_encoded_or_sent_again_on_eviction
     spill.on_host_evict(host.cached_blocks(slots[::-1]))
     spill.flush()
     assert (redis.round_trips, codec.encoded) == (before, encoded)
+    spill.close()
+
+
+def test_blocks_a_load_read_from_a_write_through_tier_are_not_encoded_or_sent_again_on_eviction():
+    host, slots = host_with_chain(8)
+    redis = fake_redis(chunk_blocks=4)
+    spill = spill_manager([redis], ["redis"], host)
+    spill.codec = codec = CountingCodec(host.layout)
+    spill.on_loaded([SpillRun("redis", 0, 8, ())], host.cached_blocks(slots).hashes, 0)
+    before = redis.round_trips
+    spill.on_host_evict(host.cached_blocks(slots[::-1]))
+    spill.flush()
+    assert (redis.round_trips, codec.encoded) == (before, 0)
     spill.close()
 
 
