@@ -492,15 +492,12 @@ class SpillManager:
         from ``runs``: each is in its run's tier as surely as a chunk that just landed
         there, so a write-through tier is not offered it again when the host pool evicts
         it (a load staged after a load would otherwise re-encode what it just read)."""
-        through = {t.name for t in self._through}
-        now = time.monotonic()
+        through = {t.name: t for t in self._through}
         with self._lock:
             for run in runs:
                 if run.tier in through:
                     lo = run.first_block - first
-                    got = hashes[lo : lo + run.num_blocks]
-                    self._landed[run.tier].update(dict.fromkeys(got, now))
-            self._trim_landed()
+                    self._record_landed(through[run.tier], [hashes[lo : lo + run.num_blocks]])
 
     def count_unstaged(self, promised: Sequence[SpillRun], staged: Sequence[SpillRun]) -> None:
         """Count the blocks of ``promised`` runs that ``staged`` (cut to the host slots
@@ -797,19 +794,14 @@ class SpillManager:
                         journal[key] = 0
 
     def _record_landed(self, tier: SpillTier, chunks: list[list[bytes]]) -> None:
-        """Record the blocks of write-through ``chunks`` that landed (under ``_lock``);
-        beyond twice the host pool's blocks, the oldest records go."""
+        """Record the blocks of ``chunks`` as in write-through ``tier`` now (landed, or
+        read from it; under ``_lock``); beyond twice the host pool's blocks, the oldest
+        records go."""
         landed, now = self._landed[tier.name], time.monotonic()
         for hashes in chunks:
             landed.update(dict.fromkeys(hashes, now))
-        self._trim_landed()
-
-    def _trim_landed(self) -> None:
-        """Keep at most twice the host pool's blocks in each tier's landed records, the
-        newest (under ``_lock``)."""
-        for landed in self._landed.values():
-            for _ in range(len(landed) - 2 * self.host.num_blocks):
-                del landed[next(iter(landed))]
+        for _ in range(len(landed) - 2 * self.host.num_blocks):
+            del landed[next(iter(landed))]
 
     def _not_landed(self, tier: SpillTier, victims: CachedBlocks) -> CachedBlocks:
         """The victims whose write-through chunk did not land in ``tier`` within the last
