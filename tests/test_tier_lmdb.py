@@ -500,3 +500,89 @@ def test_from_config_opens_the_resolved_path(tmp_path, monkeypatch) -> None:
 def test_bad_arguments_raise_value_error(tmp_path, capacity, chunk_blocks) -> None:
     with pytest.raises(ValueError):
         LMDBTier(tmp_path / "s", capacity=capacity, chunk_blocks=chunk_blocks)
+
+
+# --- what a lookup reads ---------------------------------------------------------------
+
+RESIDENT = """
+import ctypes, mmap, os, sys
+from kvtier.tiers.lmdb import LMDBTier
+from tier_contract import make_key
+
+path, n = sys.argv[1], int(sys.argv[2])
+data = os.path.join(path, "data.mdb")
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long]
+libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+
+def resident() -> int:
+    \"\"\"Bytes of data.mdb in the page cache (mincore on a mapping of this one's own).\"\"\"
+    size = os.path.getsize(data)
+    fd = os.open(data, os.O_RDONLY)
+    addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    os.close(fd)
+    vec = (ctypes.c_ubyte * ((size + mmap.PAGESIZE - 1) // mmap.PAGESIZE))()
+    try:
+        assert libc.mincore(addr, size, vec) == 0, ctypes.get_errno()
+    finally:
+        libc.munmap(addr, size)
+    return sum(v & 1 for v in vec) * mmap.PAGESIZE
+
+fd = os.open(data, os.O_RDONLY)
+os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+os.close(fd)
+dropped = resident()
+keys = [make_key("cold", i) for i in range(n)]
+tier = LMDBTier(path, capacity=256 << 20, chunk_blocks=1)
+assert tier.sizes_many(keys) == [1 << 20] * n and all(tier.contains_many(keys))
+looked_up = resident()
+tier.get_many(keys, lambda i, v: None)
+print(dropped, looked_up, resident())
+tier.close()
+"""
+
+
+def test_a_lookup_reads_no_value_from_disk(tmp_path: Path) -> None:
+    """Sizes and existence come from ``sizes``, not from the values (py-lmdb reads every
+    page of a value it returns): after the page cache dropped the store, opening it and
+    looking up 128 values of 1 MiB brings in a small part of what reading them does
+    (the kernel reads around each page LMDB's B-trees fault in)."""
+    n = 128
+    keys = [make_key("cold", i) for i in range(n)]
+    with LMDBTier(tmp_path / "s", capacity=256 * MiB, chunk_blocks=1) as tier:
+        tier.put_many([(k, os.urandom(MiB)) for k in keys])
+    dropped, looked_up, read = map(int, finish(run_child(RESIDENT, tmp_path / "s", n)).split())
+    if dropped > n * MiB // 8:
+        pytest.skip(f"this file system kept {dropped} B of the store in the page cache")
+    assert read - dropped >= n * MiB
+    assert looked_up - dropped < n * MiB // 4
+
+
+def test_values_stored_before_sizes_existed_are_measured_from_the_values(
+    open_tier, tmp_path: Path
+) -> None:
+    """A version 2 store has no ``sizes``: lookups, overwrites and deletes read each
+    value's length from the value itself, and the store becomes version 3."""
+    keys = [make_key("v2", i) for i in range(3)]
+    with LMDBTier(tmp_path / "s", capacity=4000, chunk_blocks=4) as tier:
+        tier.put_many([(k, b"v" * (100 * (i + 1))) for i, k in enumerate(keys)])
+    env = lmdb.open(str(tmp_path / "s"), **lmdb_tier.ENV_OPTIONS)
+    with env.begin(write=True) as txn:  # what version 2 wrote: no sizes
+        txn.drop(env.open_db(b"sizes", txn=txn), delete=True)
+        txn.put(b"version", (2).to_bytes(8, "big"), db=env.open_db(b"meta", txn=txn))
+    env.close()
+    tier = small_tier(open_tier, tmp_path / "s")
+    assert tier.sizes_many(keys) == [100, 200, 300]
+    assert tier.contains_many(keys) == [True, True, True]
+    tier.put_many([(keys[0], b"w" * 50)])
+    assert tier.delete_many([keys[1]]) == 1
+    assert tier.sizes_many(keys) == [50, 0, 300]
+    assert tier.usage().nbytes == 350
+    tier.close()
+    env = lmdb.open(str(tmp_path / "s"), **lmdb_tier.ENV_OPTIONS)
+    with env.begin(db=env.open_db(b"meta")) as txn:
+        assert int.from_bytes(txn.get(b"version"), "big") == 3
+    env.close()

@@ -9,7 +9,8 @@ sub-databases. Integers are 8-byte big-endian, so byte order is numeric order.
 database   key                             value
 =========  ==============================  ===========================================
 ``data``   chunk key (16 bytes, as given)  the chunk value (opaque bytes, may be empty)
-``meta``   ``b"version"``                  schema version (8 bytes, now 2)
+``sizes``  chunk key                       the length of its ``data`` value
+``meta``   ``b"version"``                  schema version (8 bytes, now 3)
            ``b"nbytes"``                   total bytes of all values in ``data``
            ``b"seq"``                      the next sequence number
 =========  ==============================  ===========================================
@@ -22,6 +23,16 @@ the ``data`` values. Every method keeps these invariants inside a single transac
 so they hold in every committed state; the number of entries is ``data``'s B-tree
 count (no separate counter). Version 1 (before ``protected`` and the ghosts) is read
 as version 2 and becomes it.
+
+``sizes`` exists because py-lmdb touches every page of a value it returns (it faults
+them in outside the GIL): asking for a value just to learn its length reads the whole
+value, from disk when it is not cached. So lookups (``sizes_many``,
+``contains_many``), overwrites and evictions read lengths from ``sizes``, and only
+``get_many`` (and an eviction whose values are taken) reads values. Every value
+written since version 3 has its ``sizes`` entry, written and deleted in the same
+transaction; a value a version 2 store already held has none until it is written
+again, and its length is read from the value (``_size``). Opening a version 1 or 2
+store makes it version 3.
 
 Eviction protocol
 -----------------
@@ -129,7 +140,7 @@ __all__ = ["LMDBTier"]
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 INITIAL_MAP_CAP = 64 * MiB  # the map starts at most this big ...
 MAP_SLACK = 64 * MiB  # ... and grows to at most capacity * MAP_GROWTH_LIMIT + MAP_SLACK
 MAP_GROWTH_LIMIT = 1.5
@@ -143,7 +154,9 @@ ENV_OPTIONS: dict[str, object] = {
     "writemap": False,
     "metasync": False,
     "sync": False,
-    "readahead": False,
+    # Values are whole chunks, read whole: the kernel's read-around turns reading a value
+    # that is not in the page cache into a few large reads instead of one per page.
+    "readahead": True,
     "max_dbs": 8,
     "max_readers": MAX_READERS,
     "max_spare_txns": 8,
@@ -333,6 +346,7 @@ class LMDBTier(SpillTier):
             with txn.cursor() as cur:
                 fresh = not cur.first()  # nothing in the main database: a new store
             self._data = env.open_db(b"data", txn=txn)
+            self._sizes = env.open_db(b"sizes", txn=txn)
             self._meta = env.open_db(b"meta", txn=txn)
             version = txn.get(_VERSION, db=self._meta)
             if version is None:
@@ -340,12 +354,13 @@ class LMDBTier(SpillTier):
                     raise TierError(f"{self.name}: {self.path} is an LMDB store but not kvtier's")
                 txn.put(_NBYTES, _u64(0), db=self._meta)
                 txn.put(_SEQ, _u64(0), db=self._meta)
-            elif _int(version) not in (1, SCHEMA_VERSION):
+            elif _int(version) not in (1, 2, SCHEMA_VERSION):
                 raise TierError(
                     f"{self.name}: {self.path} has kvtier LMDB schema version {_int(version)}, "
-                    f"this kvtier reads versions 1 and {SCHEMA_VERSION}"
+                    f"this kvtier reads versions 1 to {SCHEMA_VERSION}"
                 )
-            # Version 1 is version 2 with every key in lru and no ghosts: only its number
+            # Version 1 is version 2 with every key in lru and no ghosts, version 2 is 3
+            # without sizes (``_size`` reads those from the values): only its number
             # changes.
             txn.put(_VERSION, _u64(SCHEMA_VERSION), db=self._meta)
             self._order = ORDERS[self.eviction](env, txn, self._data, self._meta)
@@ -541,13 +556,21 @@ class LMDBTier(SpillTier):
             return [1] * len(keys)
         return self.uses(keys)
 
+    def _size(self, txn: lmdb.Transaction, key: bytes) -> int:
+        """The length of ``key``'s value (-1: absent), from ``sizes`` (module docstring)."""
+        size = txn.get(key, db=self._sizes)
+        if size is not None:
+            return _int(size)
+        value = txn.get(key, db=self._data)  # a value stored before schema version 3
+        return -1 if value is None else len(value)
+
     def _remove(self, txn: lmdb.Transaction, key: bytes) -> int:
         """Delete ``key`` from all databases; returns its value's length (-1: absent)."""
-        value = txn.get(key, db=self._data)
-        if value is None:
+        size = self._size(txn, key)
+        if size < 0:
             return -1
-        size = len(value)
         txn.delete(key, db=self._data)
+        txn.delete(key, db=self._sizes)
         self._order.unplace(txn, key)
         return size
 
@@ -570,11 +593,13 @@ class LMDBTier(SpillTier):
             key = self._order.victim(txn)
             if key is None:
                 break
-            value = txn.get(key, db=self._data)
-            if value is not None:
-                total -= len(value)
-                evicted.append((key, bytes(value) if keep_values else b""))
+            value = txn.get(key, db=self._data) if keep_values else None
+            size = len(value) if value is not None else self._size(txn, key)
+            if size >= 0:
+                total -= size
+                evicted.append((key, b"" if value is None else bytes(value)))
                 txn.delete(key, db=self._data)
+                txn.delete(key, db=self._sizes)
         return total
 
     def _count_evictions(self, n: int) -> None:
@@ -603,20 +628,15 @@ class LMDBTier(SpillTier):
         if not keys:
             self._check_open()
             return []
-        data = self._data
-        return self._run(lambda txn: [txn.get(k, db=data) is not None for k in keys], write=False)
+        size = self._size
+        return self._run(lambda txn: [size(txn, k) >= 0 for k in keys], write=False)
 
     def sizes_many(self, keys: Sequence[bytes]) -> list[int]:
         if not keys:
             self._check_open()
             return []
-        data = self._data
-
-        def sizes(txn: lmdb.Transaction) -> list[int]:
-            get = txn.get
-            return [0 if (v := get(k, db=data)) is None else len(v) for k in keys]
-
-        return self._run(sizes, write=False)
+        size = self._size
+        return self._run(lambda txn: [max(size(txn, k), 0) for k in keys], write=False)
 
     def get_many(self, keys: Sequence[bytes], sink: ValueSink) -> list[bool]:
         if not keys:
@@ -646,7 +666,7 @@ class LMDBTier(SpillTier):
         if not items:
             self._check_open()
             return 0
-        data, meta = self._data, self._meta
+        data, sizes, meta = self._data, self._sizes, self._meta
 
         keep = self.on_evict is not None  # evicted values are copied out only if taken
         order = self._order
@@ -663,17 +683,18 @@ class LMDBTier(SpillTier):
                 size = memoryview(value).nbytes
                 if size > capacity:
                     continue
-                old = txn.get(key, db=data)
-                if old is not None:
+                old = self._size(txn, key)
+                if old >= 0:
                     if only_new:
                         continue
-                    total -= len(old)
+                    total -= old
                     order.unplace(txn, key)  # keep it out of the eviction below
                 else:
                     order.returned(txn, key)
                 if total + size > capacity:
                     total = self._evict(txn, total, size, evicted, keep)
                 txn.put(key, value, db=data)
+                txn.put(key, _u64(size), db=sizes)
                 order.place(txn, key, seq, n)
                 seq += 1
                 total += size
@@ -734,6 +755,7 @@ class LMDBTier(SpillTier):
         def clear(txn: lmdb.Transaction) -> int:
             n = txn.stat(self._data)["entries"]
             txn.drop(self._data, delete=False)
+            txn.drop(self._sizes, delete=False)
             self._order.clear(txn)
             txn.put(_NBYTES, _u64(0), db=self._meta)
             return n
