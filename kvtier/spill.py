@@ -799,7 +799,9 @@ class SpillManager:
         records go."""
         landed, now = self._landed[tier.name], time.monotonic()
         for hashes in chunks:
-            landed.update(dict.fromkeys(hashes, now))
+            for h in hashes:
+                landed.pop(h, None)  # a refreshed record becomes the newest, not just fresh
+                landed[h] = now
         for _ in range(len(landed) - 2 * self.host.num_blocks):
             del landed[next(iter(landed))]
 

@@ -383,6 +383,26 @@ def test_blocks_a_load_read_from_a_write_through_tier_are_not_encoded_or_sent_ag
     spill.close()
 
 
+def test_a_block_read_again_from_a_write_through_tier_is_the_newest_of_its_records():
+    """Records beyond twice the host pool's blocks go oldest first: a chain loaded again
+    counts from its last load, so the records of other chains go before it."""
+    host, slots = host_with_chain(8)
+    redis = fake_redis(chunk_blocks=4)
+    spill = spill_manager([redis], ["redis"], host)
+    spill.codec = codec = CountingCodec(host.layout)
+    chain = host.cached_blocks(slots).hashes
+    run = [SpillRun("redis", 0, 8, ())]
+    spill.on_loaded(run, chain, 0)
+    spill.on_loaded(run, [bytes([0xA0, i]) * 8 for i in range(8)], 0)  # another chain
+    spill.on_loaded(run, chain, 0)  # read again: now the newest
+    spill.on_loaded(run, [bytes([0xB0, i]) * 8 for i in range(8)], 0)  # 24 records: 8 go
+    before = redis.round_trips
+    spill.on_host_evict(host.cached_blocks(slots[::-1]))
+    spill.flush()
+    assert (redis.round_trips, codec.encoded) == (before, 0)
+    spill.close()
+
+
 def test_chunks_that_landed_longer_ago_are_offered_again_at_one_size_query_and_no_write(
     monkeypatch,
 ):
