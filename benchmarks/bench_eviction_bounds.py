@@ -21,7 +21,6 @@ is the optimum). Traces: the shared Mooncake trace (the argument:
 
 from __future__ import annotations
 
-import math
 import tempfile
 from collections import OrderedDict
 from collections.abc import Callable
@@ -30,59 +29,40 @@ from pathlib import Path
 from _report import Result, machine_info, print_table, standard_args, write_json
 
 from kvtier.progress import progress
-from kvtier.replay import TRACE_BLOCK, TraceRequest, distinct_blocks, optimal_hits, read_trace
+from kvtier.replay import (
+    TRACE_BLOCK,
+    TraceRequest,
+    distinct_blocks,
+    full_blocks,
+    next_uses,
+    optimal_hits,
+    prefix_hit,
+    read_trace,
+)
 from kvtier.tracegen import WorkloadShape, generate, write_trace
 
 BENCHMARK = "bench_eviction_bounds"
 SHARE = 5.5  # percent of the distinct blocks
 TARGET_SHARE = 30.0  # issue 29: the best policy closes 30% of the gap at 5.5%
-NEVER = math.inf
 
 # A policy replays the trace into a cache of C blocks and returns the blocks hit.
 Policy = Callable[[list[TraceRequest], int], int]
 
 
-def _cached(req: TraceRequest) -> list[int]:
-    """The trace blocks a request leaves in the cache: its full ones."""
-    return list(req.hash_ids[: req.input_length // TRACE_BLOCK])
-
-
-def _hits(req: TraceRequest, holds: Callable[[int], bool]) -> int:
-    """Blocks ``req`` hits in a cache that ``holds`` them: the leading ones, never the
-    block of its last token."""
-    hit = 0
-    for h in req.hash_ids:
-        if not holds(h):
-            break
-        hit += 1
-    return min(hit, (req.input_length - 1) // TRACE_BLOCK)
-
-
-def _next_uses(requests: list[TraceRequest]) -> list[list[float]]:
-    """For each request's cached blocks, the index of the next request naming each."""
-    seen: dict[int, int] = {}
-    out: list[list[float]] = [[] for _ in requests]
-    for i in range(len(requests) - 1, -1, -1):
-        out[i] = [seen.get(h, NEVER) for h in _cached(requests[i])]
-        for h in requests[i].hash_ids:
-            seen[h] = i
-    return out
-
-
 def lru(requests: list[TraceRequest], capacity: int, dead_first: bool = False) -> int:
     """Blocks hit by LRU; with ``dead_first``, blocks never used again are not kept."""
-    next_uses = _next_uses(requests) if dead_first else None
-    cache: OrderedDict[int, None] = OrderedDict()
+    never = len(requests)
+    next_use = next_uses(requests) if dead_first else None
+    cache: OrderedDict[int, int] = OrderedDict()  # trace block -> full cache blocks (1)
     hits = 0
     for i, req in enumerate(requests):
-        hits += _hits(req, cache.__contains__)
-        blocks = _cached(req)
-        for t in range(len(blocks) - 1, -1, -1):  # deepest first: the head is newest
-            if next_uses is not None and next_uses[i][t] == NEVER:
-                cache.pop(blocks[t], None)
+        hits += prefix_hit(cache, req, TRACE_BLOCK)
+        for t, h, n in reversed(list(full_blocks(req, TRACE_BLOCK))):  # the head newest
+            if next_use is not None and next_use[i][t] == never:
+                cache.pop(h, None)
                 continue
-            cache[blocks[t]] = None
-            cache.move_to_end(blocks[t])
+            cache[h] = n
+            cache.move_to_end(h)
         while len(cache) > capacity:
             cache.popitem(last=False)
     return hits

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import heapq
 import json
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -132,13 +132,13 @@ def ceiling_hits(requests: Iterable[TraceRequest], block_size: int) -> list[int]
     committed: dict[int, int] = {}  # trace block id -> full cache blocks ever committed
     out = []
     for req in requests:
-        out.append(_hit(committed, req, block_size))
-        for _, h, n in _full_blocks(req, block_size):
+        out.append(prefix_hit(committed, req, block_size))
+        for _, h, n in full_blocks(req, block_size):
             committed[h] = max(committed.get(h, 0), n)
     return out
 
 
-def _hit(committed: dict[int, int], req: TraceRequest, block_size: int) -> int:
+def prefix_hit(committed: Mapping[int, int], req: TraceRequest, block_size: int) -> int:
     """Cache blocks ``req`` hits when ``committed`` gives the full cache blocks held of
     each trace block: the leading ones, never the block of its last token."""
     hit = 0
@@ -150,7 +150,7 @@ def _hit(committed: dict[int, int], req: TraceRequest, block_size: int) -> int:
     return min(hit, (req.input_length - 1) // block_size)
 
 
-def _full_blocks(req: TraceRequest, block_size: int) -> Iterator[tuple[int, int, int]]:
+def full_blocks(req: TraceRequest, block_size: int) -> Iterator[tuple[int, int, int]]:
     """(position, trace block id, full cache blocks) of each trace block ``req`` commits."""
     per_trace_block = TRACE_BLOCK // block_size
     full = req.input_length // block_size
@@ -159,6 +159,20 @@ def _full_blocks(req: TraceRequest, block_size: int) -> Iterator[tuple[int, int,
         if n <= 0:
             break
         yield t, h, n
+
+
+def next_uses(requests: Sequence[TraceRequest]) -> list[list[int]]:
+    """For each request and each of its trace blocks, the index of the next request
+    naming that block; ``len(requests)`` for a block never named again."""
+    never = len(requests)
+    out: list[list[int]] = [[] for _ in requests]
+    seen: dict[int, int] = {}
+    for i in range(len(requests) - 1, -1, -1):
+        ids = requests[i].hash_ids
+        out[i] = [seen.get(h, never) for h in ids]
+        for h in ids:
+            seen[h] = i
+    return out
 
 
 def optimal_hits(requests: list[TraceRequest], capacity: int, block_size: int) -> int:
@@ -172,21 +186,14 @@ def optimal_hits(requests: list[TraceRequest], capacity: int, block_size: int) -
     """
     per_trace_block = TRACE_BLOCK // block_size
     slots = capacity // per_trace_block
-    never = len(requests)
-    next_use: list[list[int]] = [[] for _ in requests]
-    seen: dict[int, int] = {}
-    for i in range(len(requests) - 1, -1, -1):
-        ids = requests[i].hash_ids
-        next_use[i] = [seen.get(h, never) for h in ids]
-        for h in ids:
-            seen[h] = i
+    next_use = next_uses(requests)
     committed: dict[int, int] = {}  # cached trace block -> full cache blocks it holds
     due: dict[int, int] = {}  # cached trace block -> its next use
     farthest: list[tuple[int, int]] = []  # (-next use, trace block), stale entries skipped
     hits = 0
     for i, req in enumerate(requests):
-        hits += _hit(committed, req, block_size)
-        for t, h, n in _full_blocks(req, block_size):
+        hits += prefix_hit(committed, req, block_size)
+        for t, h, n in full_blocks(req, block_size):
             committed[h] = max(committed.get(h, 0), n)
             due[h] = next_use[i][t]
             heapq.heappush(farthest, (-due[h], h))
