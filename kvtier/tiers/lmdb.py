@@ -569,10 +569,14 @@ class LMDBTier(SpillTier):
         size = self._size(txn, key)
         if size < 0:
             return -1
-        txn.delete(key, db=self._data)
-        txn.delete(key, db=self._sizes)
+        self._delete_value(txn, key)
         self._order.unplace(txn, key)
         return size
+
+    def _delete_value(self, txn: lmdb.Transaction, key: bytes) -> None:
+        """Delete ``key``'s value and its length (its order entries are the caller's)."""
+        txn.delete(key, db=self._data)
+        txn.delete(key, db=self._sizes)
 
     def _evict(
         self,
@@ -593,13 +597,11 @@ class LMDBTier(SpillTier):
             key = self._order.victim(txn)
             if key is None:
                 break
-            value = txn.get(key, db=self._data) if keep_values else None
-            size = len(value) if value is not None else self._size(txn, key)
+            size = self._size(txn, key)
             if size >= 0:
                 total -= size
-                evicted.append((key, b"" if value is None else bytes(value)))
-                txn.delete(key, db=self._data)
-                txn.delete(key, db=self._sizes)
+                evicted.append((key, bytes(txn.get(key, db=self._data)) if keep_values else b""))
+                self._delete_value(txn, key)
         return total
 
     def _count_evictions(self, n: int) -> None:
