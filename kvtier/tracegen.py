@@ -154,7 +154,7 @@ def generate(shape: WorkloadShape, seed: int = 0) -> list[dict[str, object]]:
         ("agent", shape.agent_rate),
         ("oneoff", shape.oneoff_rate),
     ):
-        t = rng.expovariate(rate)
+        t = rng.expovariate(rate) if rate > 0 else math.inf  # a rate of 0: none of that kind
         while t < shape.duration_s:
             heapq.heappush(due, (t, next(order), _SESSIONS[kind](world)))
             t += rng.expovariate(rate)

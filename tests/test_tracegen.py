@@ -43,3 +43,9 @@ def test_kvtier_workload_writes_a_trace(tmp_path, capsys) -> None:
     assert main(["workload", str(path), "--seed", "3", "--duration", "30"]) == 0
     assert len(read_trace(path)) == len(generate(WorkloadShape(duration_s=30), seed=3))
     assert f"-> {path}" in capsys.readouterr().out
+
+
+def test_a_kind_of_session_at_rate_zero_is_left_out() -> None:
+    nothing = WorkloadShape(duration_s=60, chat_rate=0, rag_rate=0, agent_rate=0, oneoff_rate=0)
+    assert generate(nothing) == []
+    assert generate(WorkloadShape(duration_s=60, rag_rate=0, agent_rate=0, oneoff_rate=0))
