@@ -8,6 +8,7 @@
  *   prefetch the table slots of the keys ahead of the one being probed, so that a
  *   pool of a million blocks, whose table does not fit in the CPU cache, costs
  *   about what a small one does.
+ * - populate, Slab: host memory faulted in ahead of its first use (host_pool.py).
  *
  * Every function validates its input before it changes anything, and reports bad
  * input as a Python exception naming the problem.
@@ -19,6 +20,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #define XXH_INLINE_ALL
 #include "xxhash.h"
@@ -1149,6 +1151,8 @@ typedef struct {
     Py_ssize_t num_lru;      /* cached free blocks, in either ring */
     int64_t *empty;          /* stack of empty free blocks */
     Py_ssize_t num_empty;
+    Py_ssize_t untouched;    /* the stack's bottom entries never popped: blocks
+                                n - untouched .. n - 1, never handed out */
     int in_hook;             /* allocate is calling on_evict: no change allowed */
     Reuse *reuse;            /* the reuse policy's state; NULL: LRU */
 } BlockTable;
@@ -1262,6 +1266,7 @@ BlockTable_init(BlockTable *self, PyObject *args, PyObject *kwds)
         self->empty[b] = n - 1 - b; /* popped from the top: block 0 first */
     }
     self->num_empty = n;
+    self->untouched = n;
     self->lru.head = self->lru.tail = self->num_lru = 0;
     return 0;
 }
@@ -1514,6 +1519,8 @@ BlockTable_allocate(BlockTable *self, PyObject *const *args, Py_ssize_t nargs)
     /* Commit: the victims leave the rings (reuse: into the ghost lists) and drop their
      * hashes. */
     self->num_empty -= k;
+    if (self->num_empty < self->untouched)
+        self->untouched = self->num_empty;
     if (nv) {
         self->lru.head = p;
         if (r != NULL) {
@@ -1902,7 +1909,7 @@ BlockTable_reset(BlockTable *self, PyObject *Py_UNUSED(ignored))
     for (Py_ssize_t b = 0; b < self->n; b++) {
         self->pos[b] = -1;
         self->qpos[b] = -1;
-        self->empty[b] = self->n - 1 - b;
+        self->empty[b] = self->n - 1 - b; /* the untouched bottom holds the same blocks */
     }
     self->num_empty = self->n;
     self->lru.head = self->lru.tail = self->num_lru = 0;
@@ -1934,6 +1941,12 @@ static PyObject *
 BlockTable_get_num_empty(BlockTable *self, void *Py_UNUSED(closure))
 {
     return PyLong_FromSsize_t(self->num_empty);
+}
+
+static PyObject *
+BlockTable_get_frontier(BlockTable *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromSsize_t(self->n - self->untouched);
 }
 
 static PyObject *
@@ -1973,6 +1986,9 @@ static PyGetSetDef BlockTable_getset[] = {
     {"index", (getter)BlockTable_get_index, NULL, "the HashIndex of the held hashes", NULL},
     {"num_free", (getter)BlockTable_get_num_free, NULL, "empty plus cached free blocks", NULL},
     {"num_empty", (getter)BlockTable_get_num_empty, NULL, "free blocks holding no hash", NULL},
+    {"frontier", (getter)BlockTable_get_frontier, NULL,
+     "blocks frontier .. num_blocks - 1 have never been handed out by allocate (empty\n"
+     "blocks go out in ascending order, after the ones freed back empty)", NULL},
     {"policy", (getter)BlockTable_get_policy, NULL, "the eviction policy: 'lru' or 'reuse'", NULL},
     {"delta", (getter)BlockTable_get_delta, NULL,
      "reuse: the ticks probation is aged by when heads are compared; None under LRU", NULL},
@@ -1984,6 +2000,8 @@ PyDoc_STRVAR(BlockTable_doc,
 "The per-block state of a pool: ref counts; each block's hash, parent hash and chain\n"
 "position; the queue of cached free blocks, in the eviction order of ``policy``, and\n"
 "a stack of empty ones; and ``index``, the HashIndex of held hashes, kept in step.\n"
+"Empty blocks freed back are handed out again first, then the never used ones in\n"
+"ascending order: ``frontier`` is how far allocate has ever reached.\n"
 "``policy`` 'lru' evicts the least recently freed block; 'reuse' ranks blocks by\n"
 "``uses`` (a UseCounts, which it needs) as kvtier.eviction describes. Every\n"
 "method checks its input before it changes anything. Not thread-safe; every method\n"
@@ -2049,6 +2067,7 @@ typedef struct {
     Job *head, *tail;
     atomic_int queued;    /* jobs in the queue, read without the lock by the polling worker */
     int started, stop;
+    char name[16];        /* the thread's OS name (Linux allows 15 bytes) */
 } Copier;
 
 typedef struct {
@@ -2166,7 +2185,9 @@ worker_main(void *arg)
 {
     Copier *c = arg;
 #ifdef __linux__
-    /* Any CPU the process's cpuset allows, not only the creating thread's (threads.py). */
+    /* Its OS name, and any CPU the process's cpuset allows, not only the creating
+     * thread's (threads.py). */
+    pthread_setname_np(pthread_self(), c->name);
     cpu_set_t any;
     CPU_ZERO(&any);
     for (int cpu = 0; cpu < CPU_SETSIZE; cpu++)
@@ -2206,13 +2227,20 @@ worker_main(void *arg)
 static int
 Copier_init(Copier *self, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, ":Copier", kwlist))
+    static char *kwlist[] = {"name", NULL};
+    const char *name = "kvtier-copy";
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$s:Copier", kwlist, &name))
         return -1;
     if (self->started) {
         PyErr_SetString(PyExc_RuntimeError, "Copier is already initialised");
         return -1;
     }
+    if (strlen(name) >= sizeof self->name) {
+        PyErr_Format(PyExc_ValueError, "name must be at most %d bytes, got '%s'",
+                     (int)sizeof self->name - 1, name);
+        return -1;
+    }
+    strcpy(self->name, name);
     pthread_mutex_init(&self->mu, NULL);
     pthread_cond_init(&self->work, NULL);
     pthread_cond_init(&self->done, NULL);
@@ -2504,9 +2532,10 @@ static PyMethodDef Copier_methods[] = {
 };
 
 PyDoc_STRVAR(Copier_doc,
-"Copier()\n\n"
-"One C worker thread that copies rows between host buffers without the GIL, in\n"
-"submission order. ``close`` (or garbage collection) runs what is queued and stops it.");
+"Copier(*, name='kvtier-copy')\n\n"
+"One C worker thread, ``name`` at the OS level (at most 15 bytes), that copies rows\n"
+"between host buffers without the GIL, in submission order. ``close`` (or garbage\n"
+"collection) runs what is queued and stops it.");
 
 static PyTypeObject CopierType = {
     PyVarObject_HEAD_INIT(NULL, 0)
@@ -2520,11 +2549,401 @@ static PyTypeObject CopierType = {
     .tp_methods = Copier_methods,
 };
 
+/* ------------------------------------------------------------------ populate, Slab */
+
+#include <errno.h>
+#include <semaphore.h>
+#include <sys/resource.h>
+
+/* Fault in, for writing, every page holding a byte of [p, p + n), changing no byte:
+ * one atomic compare-and-swap of 0 with 0 per page, on the range's first byte in its
+ * first page and on the first byte of each page after. A write racing it lands before
+ * or after it, never under it, and a byte that is not 0 fails the compare and stays.
+ * Touches no byte outside the range. Stops early when *stop (if not NULL) becomes
+ * non-zero; returns how many bytes from p it covered. */
+static size_t
+touch_pages(char *p, size_t n, atomic_int *stop)
+{
+    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    const uintptr_t end = (uintptr_t)p + n;
+    uintptr_t a = (uintptr_t)p;
+    while (a < end) {
+        if (stop != NULL && atomic_load_explicit(stop, memory_order_relaxed))
+            return a - (uintptr_t)p;
+        char zero = 0; /* compared with, and on a match stored: 0 stays 0 */
+        __atomic_compare_exchange_n((char *)a, &zero, 0, 0, __ATOMIC_RELAXED,
+                                    __ATOMIC_RELAXED);
+        a = (a & ~(page - 1)) + page;
+    }
+    return n;
+}
+
+PyDoc_STRVAR(populate_doc,
+"populate(address, nbytes) -> None\n\n"
+"Fault in, for writing, every page holding a byte of [address, address + nbytes),\n"
+"leaving every byte as it is, even while other threads write into the range: one\n"
+"atomic compare-and-swap of 0 with 0 on one byte of the range in each page. Touches\n"
+"no byte outside the range. The range must stay mapped writable for the whole call\n"
+"(the caller holds the memory). Runs without the GIL.");
+
+static PyObject *
+populate(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "populate takes 2 arguments, got %zd", nargs);
+        return NULL;
+    }
+    uintptr_t address = (uintptr_t)PyLong_AsVoidPtr(args[0]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_ssize_t nbytes = PyLong_AsSsize_t(args[1]);
+    if (nbytes == -1 && PyErr_Occurred())
+        return NULL;
+    if (nbytes < 0 || (nbytes > 0 && address == 0) || address + (size_t)nbytes < address) {
+        PyErr_Format(PyExc_ValueError, "populate: bad range of %zd bytes at %p", nbytes,
+                     (void *)address);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    touch_pages((char *)address, (size_t)nbytes, NULL);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* A pageable host slab (host_pool.py): anonymous memory of its own, exported as a
+ * writable buffer, and a C thread at idle priority that populates it a bounded
+ * distance ahead of the bytes its owner has handed out (``follow``).
+ *
+ * The thread never takes the GIL: a Python thread at idle priority that wants the GIL
+ * makes the thread holding it drop it and wait until it has taken it, so on busy CPUs
+ * the engine's thread waits for an idle-priority thread to be scheduled (host_pool.py
+ * has the measurement). Nor does it ever unmap: munmap holds the process's mmap lock,
+ * and a thread at idle priority preempted holding it would stall the engine's own
+ * mmap and munmap calls.
+ *
+ * Lifetimes, with the owner waiting for the thread at most SLAB_RELEASE_WAIT:
+ * ``mem_users`` counts the owner (until its release) and the thread while it touches
+ * pages; the thread takes a use only from a count above 0, so once the owner's release
+ * brought it to 0 the memory is the owner's to unmap. When the thread's use is the
+ * last (it was preempted in the middle of a piece), it leaves the memory on the
+ * graveyard, which owners empty (slab creation and release). ``refs`` counts the owner
+ * and the thread (or the graveyard) for the struct itself. */
+
+typedef struct FillState {
+    struct FillState *next_dead; /* the graveyard's link */
+    char *base;
+    size_t nbytes, mapped;       /* the buffer's bytes; the mapping's (whole pages) */
+    size_t ahead, step, piece;
+    atomic_size_t frontier;      /* bytes handed out so far (follow) */
+    atomic_size_t target;        /* populate up to here */
+    atomic_size_t reached;       /* populated, or handed out, up to here */
+    atomic_int stop;
+    atomic_int mem_users;
+    atomic_int refs;
+    sem_t wake;
+    char name[16];
+} FillState;
+
+typedef struct {
+    PyObject_HEAD
+    FillState *st;
+    int filling; /* a fill thread was started */
+} Slab;
+
+static _Atomic(FillState *) graveyard;
+#define SLAB_RELEASE_WAIT 200e-6 /* seconds a release waits for the thread to leave */
+
+static void
+fill_state_release(FillState *st)
+{
+    if (atomic_fetch_sub(&st->refs, 1) == 1) {
+        sem_destroy(&st->wake);
+        free(st);
+    }
+}
+
+/* Unmap the slabs whose fill thread let go of them last. */
+static void
+graveyard_drain(void)
+{
+    FillState *st = atomic_exchange(&graveyard, NULL);
+    while (st != NULL) {
+        FillState *next = st->next_dead;
+        munmap(st->base, st->mapped);
+        fill_state_release(st);
+        st = next;
+    }
+}
+
+static int
+mem_acquire(FillState *st)
+{
+    int n = atomic_load(&st->mem_users);
+    while (n > 0)
+        if (atomic_compare_exchange_weak(&st->mem_users, &n, n + 1))
+            return 1;
+    return 0;
+}
+
+static void *
+fill_main(void *arg)
+{
+    FillState *st = arg;
+#ifdef __linux__
+    /* Its OS name, any CPU the process's cpuset allows (threads.py), and idle priority:
+     * SCHED_IDLE, or nice 19 where that is refused; both apply to this thread alone. */
+    pthread_setname_np(pthread_self(), st->name);
+    cpu_set_t any;
+    CPU_ZERO(&any);
+    for (int cpu = 0; cpu < CPU_SETSIZE; cpu++)
+        CPU_SET(cpu, &any);
+    sched_setaffinity(0, sizeof any, &any);
+    struct sched_param none = {0};
+    if (sched_setscheduler(0, SCHED_IDLE, &none) != 0)
+        setpriority(PRIO_PROCESS, 0, 19);
+#endif
+    size_t reached = 0;
+    while (!atomic_load(&st->stop)) {
+        size_t target = atomic_load(&st->target), frontier = atomic_load(&st->frontier);
+        size_t lo = reached > frontier ? reached : frontier; /* handed out: its users write it */
+        if (lo >= target) {
+            reached = lo;
+            atomic_store(&st->reached, reached);
+            while (sem_wait(&st->wake) != 0 && errno == EINTR)
+                ;
+            continue;
+        }
+        size_t hi = target - lo < st->piece ? target : lo + st->piece;
+        if (!mem_acquire(st))
+            break; /* released by its owner */
+        size_t done = touch_pages(st->base + lo, hi - lo, &st->stop);
+        if (atomic_fetch_sub(&st->mem_users, 1) == 1) { /* the owner let go meanwhile */
+            FillState *head = atomic_load(&graveyard);
+            do
+                st->next_dead = head;
+            while (!atomic_compare_exchange_weak(&graveyard, &head, st));
+            return NULL; /* this thread's ref went to the graveyard with it */
+        }
+        reached = lo + done;
+        atomic_store(&st->reached, reached);
+    }
+    fill_state_release(st);
+    return NULL;
+}
+
+static int
+Slab_init(Slab *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"nbytes", "ahead", "piece", "name", NULL};
+    Py_ssize_t nbytes, ahead = 0, piece = (Py_ssize_t)8 << 20;
+    const char *name = "kvtier-fill";
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "n|nn$s:Slab", kwlist, &nbytes, &ahead, &piece,
+                                     &name))
+        return -1;
+    if (self->st != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "Slab is already initialised");
+        return -1;
+    }
+    if (nbytes <= 0 || ahead < 0 || piece <= 0) {
+        PyErr_Format(PyExc_ValueError, "need nbytes > 0, ahead >= 0, piece > 0; got %zd, %zd, %zd",
+                     nbytes, ahead, piece);
+        return -1;
+    }
+    if (strlen(name) >= sizeof self->st->name) {
+        PyErr_Format(PyExc_ValueError, "name must be at most %d bytes, got '%s'",
+                     (int)sizeof self->st->name - 1, name);
+        return -1;
+    }
+    graveyard_drain();
+    FillState *st = calloc(1, sizeof *st);
+    if (st == NULL || sem_init(&st->wake, 0, 0) != 0) {
+        free(st);
+        PyErr_NoMemory();
+        return -1;
+    }
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    st->nbytes = (size_t)nbytes;
+    st->mapped = (st->nbytes + page - 1) / page * page;
+    st->base = mmap(NULL, st->mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (st->base == MAP_FAILED) {
+        sem_destroy(&st->wake);
+        free(st);
+        PyErr_SetFromErrno(PyExc_MemoryError);
+        return -1;
+    }
+    st->ahead = (size_t)ahead < st->nbytes ? (size_t)ahead : st->nbytes;
+    st->step = st->ahead / 2 ? st->ahead / 2 : 1;
+    st->piece = (size_t)piece;
+    strcpy(st->name, name);
+    atomic_init(&st->target, st->ahead);
+    atomic_init(&st->mem_users, 1);
+    atomic_init(&st->refs, 1);
+    self->st = st;
+    if (st->ahead == 0)
+        return 0;
+    pthread_attr_t attr;
+    pthread_t thread;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    pthread_attr_setstacksize(&attr, (size_t)256 << 10);
+    atomic_store(&st->refs, 2);
+    int err = pthread_create(&thread, &attr, fill_main, st);
+    pthread_attr_destroy(&attr);
+    if (err != 0) {
+        atomic_store(&st->refs, 1);
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1; /* dealloc unmaps */
+    }
+    self->filling = 1;
+    return 0;
+}
+
+static void
+slab_stop(Slab *self)
+{
+    if (self->filling && !atomic_exchange(&self->st->stop, 1))
+        sem_post(&self->st->wake);
+}
+
+static void
+Slab_dealloc(Slab *self)
+{
+    FillState *st = self->st;
+    if (st != NULL) {
+        slab_stop(self);
+        /* A thread in the middle of a piece stops within a page once it runs: wait that
+         * long, so that the memory is unmapped here rather than left on the graveyard. */
+        const double until = now() + SLAB_RELEASE_WAIT;
+        while (atomic_load(&st->mem_users) > 1 && now() < until)
+            sched_yield();
+        if (atomic_fetch_sub(&st->mem_users, 1) == 1)
+            munmap(st->base, st->mapped);
+        fill_state_release(st);
+        graveyard_drain();
+    }
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int
+Slab_getbuffer(Slab *self, Py_buffer *view, int flags)
+{
+    if (self->st == NULL) {
+        PyErr_SetString(PyExc_BufferError, "Slab was not initialised");
+        view->obj = NULL;
+        return -1;
+    }
+    return PyBuffer_FillInfo(view, (PyObject *)self, self->st->base,
+                             (Py_ssize_t)self->st->nbytes, 0, flags);
+}
+
+static PyBufferProcs Slab_as_buffer = {(getbufferproc)Slab_getbuffer, NULL};
+
+PyDoc_STRVAR(follow_doc,
+"follow(frontier) -> None: the owner has handed out the bytes up to ``frontier``; the\n"
+"fill populates ``ahead`` bytes past it (it moves on once the frontier has moved half\n"
+"of that, or reached the end). Called on the owner's thread; takes no lock.");
+
+static PyObject *
+Slab_follow(Slab *self, PyObject *arg)
+{
+    Py_ssize_t f = PyLong_AsSsize_t(arg);
+    if (f == -1 && PyErr_Occurred())
+        return NULL;
+    FillState *st = self->st;
+    if (f < 0) {
+        PyErr_Format(PyExc_ValueError, "frontier must be >= 0, got %zd", f);
+        return NULL;
+    }
+    if (st == NULL || !self->filling)
+        Py_RETURN_NONE;
+    size_t frontier = (size_t)f < st->nbytes ? (size_t)f : st->nbytes;
+    atomic_store(&st->frontier, frontier);
+    size_t want = st->nbytes - frontier > st->ahead ? frontier + st->ahead : st->nbytes;
+    size_t target = atomic_load(&st->target);
+    if (want > target && (want - target >= st->step || want == st->nbytes)) {
+        atomic_store(&st->target, want);
+        sem_post(&st->wake);
+    }
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(wait_filled_doc,
+"wait_filled(timeout=None) -> bool: wait until the fill has populated (or seen handed\n"
+"out) every byte it was asked for; False on timeout (tests and benchmarks).");
+
+static PyObject *
+Slab_wait_filled(Slab *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"timeout", NULL};
+    PyObject *timeout = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O:wait_filled", kwlist, &timeout))
+        return NULL;
+    double limit = -1;
+    if (timeout != Py_None && (limit = PyFloat_AsDouble(timeout)) == -1 && PyErr_Occurred())
+        return NULL;
+    FillState *st = self->st;
+    if (st == NULL || !self->filling)
+        Py_RETURN_TRUE;
+    int done;
+    Py_BEGIN_ALLOW_THREADS
+    const double until = now() + limit;
+    while (!(done = atomic_load(&st->reached) >= atomic_load(&st->target)) &&
+           !atomic_load(&st->stop) && (limit < 0 || now() < until)) {
+        struct timespec ms = {0, 1000000};
+        nanosleep(&ms, NULL);
+    }
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(done);
+}
+
+PyDoc_STRVAR(slab_close_doc,
+"close() -> None: stop the fill (without waiting for it); the memory stays until the\n"
+"Slab is released.");
+
+static PyObject *
+Slab_close(Slab *self, PyObject *Py_UNUSED(ignored))
+{
+    if (self->st != NULL)
+        slab_stop(self);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef Slab_methods[] = {
+    {"follow", (PyCFunction)Slab_follow, METH_O, follow_doc},
+    {"wait_filled", (PyCFunction)(void (*)(void))Slab_wait_filled, METH_VARARGS | METH_KEYWORDS,
+     wait_filled_doc},
+    {"close", (PyCFunction)Slab_close, METH_NOARGS, slab_close_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+PyDoc_STRVAR(Slab_doc,
+"Slab(nbytes, ahead=0, piece=8 MiB, *, name='kvtier-fill')\n\n"
+"``nbytes`` of zeroed anonymous memory, a writable buffer (``torch.frombuffer``), and,\n"
+"when ``ahead`` > 0, a C thread ``name`` at idle priority that faults its pages in,\n"
+"``piece`` bytes at a time, up to ``ahead`` bytes past the bytes handed out (``follow``;\n"
+"at first the first ``ahead``), changing no byte (``populate``). The thread never takes\n"
+"the GIL, and the memory is unmapped once neither the Slab nor the thread uses it.");
+
+static PyTypeObject SlabType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvtier._core.Slab",
+    .tp_basicsize = sizeof(Slab),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = Slab_doc,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Slab_init,
+    .tp_dealloc = (destructor)Slab_dealloc,
+    .tp_methods = Slab_methods,
+    .tp_as_buffer = &Slab_as_buffer,
+};
+
 /* ------------------------------------------------------------------ module */
 
 static PyMethodDef core_methods[] = {
     {"pack_tokens", (PyCFunction)pack_tokens, METH_O, pack_tokens_doc},
     {"chain_hashes", (PyCFunction)(void (*)(void))chain_hashes, METH_FASTCALL, chain_hashes_doc},
+    {"populate", (PyCFunction)(void (*)(void))populate, METH_FASTCALL, populate_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -2541,7 +2960,8 @@ PyInit__core(void)
 {
     if (PyType_Ready(&HashIndexType) < 0 || PyType_Ready(&UseCountsType) < 0 ||
         PyType_Ready(&BlockTableType) < 0 ||
-        PyType_Ready(&CopierType) < 0 || PyType_Ready(&CopyJobType) < 0)
+        PyType_Ready(&CopierType) < 0 || PyType_Ready(&CopyJobType) < 0 ||
+        PyType_Ready(&SlabType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&core_module);
     if (m == NULL)
@@ -2553,7 +2973,8 @@ PyInit__core(void)
         PyModule_AddObjectRef(m, "UseCounts", (PyObject *)&UseCountsType) < 0 ||
         PyModule_AddObjectRef(m, "BlockTable", (PyObject *)&BlockTableType) < 0 ||
         PyModule_AddObjectRef(m, "Copier", (PyObject *)&CopierType) < 0 ||
-        PyModule_AddObjectRef(m, "CopyJob", (PyObject *)&CopyJobType) < 0) {
+        PyModule_AddObjectRef(m, "CopyJob", (PyObject *)&CopyJobType) < 0 ||
+        PyModule_AddObjectRef(m, "Slab", (PyObject *)&SlabType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -108,6 +108,12 @@ class BlockPool:
     def num_cached(self) -> int:
         return len(self._cached)
 
+    @property
+    def frontier(self) -> int:
+        """Blocks ``frontier..num_blocks-1`` have never been handed out: ``allocate``
+        hands out empty blocks freed back first, then never used ones in ascending order."""
+        return self._table.frontier
+
     def lookup(self, hashes: Sequence[bytes]) -> list[int]:
         """Block ids of the longest prefix of ``hashes`` cached here. Pins nothing."""
         out = self._cached.prefix(hashes)
@@ -225,6 +231,8 @@ class BlockPool:
         assert all(ref[b] == 0 for b in empty + queued), "queued block is referenced"
         assert self.num_free == len(empty) + len(queued), "free count mismatch"
         assert self.num_free + sum(r > 0 for r in ref) == self.num_blocks, "free + used != total"
+        never_used = range(self.frontier, self.num_blocks)
+        assert set(never_used) <= set(empty), "a block past the frontier was handed out"
         held = self.cached_blocks(range(self.num_blocks))
         assert not set(empty) & set(held.block_ids), "empty block holds a hash"
         assert set(queued) <= set(held.block_ids), "queued cached block holds no hash"

@@ -176,7 +176,7 @@ class ChunkCodec:
         self.block_nbytes: int = layout.block_nbytes
         self.fingerprint: bytes = layout.fingerprint
         self._header, self._segments = _fixed_header_struct(self.fingerprint)
-        self._copier = Copier()
+        self._copier = Copier(name="kvtier-codec")
 
     def close(self) -> None:
         """Stop the copier thread (``encode`` and ``scatter`` raise RuntimeError after)."""

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.config import ConfigError, MetricsConfig
 from kvtier.metrics import CacheStats, Histogram
+from kvtier.threads import thread_pool
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -135,8 +136,13 @@ def serve_metrics(stats: Callable[[], CacheStats], config: MetricsConfig) -> Met
     # A registry of our own: several caches in one process each export their own stats.
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StatsCollector(stats))
+    # Started from a kvtier thread, the server's thread and those it starts for each
+    # scrape inherit that thread's OS name and CPU affinity (threads.py).
     try:
-        server, thread = start_http_server(port, addr=config.prometheus_host, registry=registry)
+        with thread_pool(1, "kvtier-prom") as starter:
+            server, thread = starter.submit(
+                start_http_server, port, addr=config.prometheus_host, registry=registry
+            ).result()
     except OSError as e:
         raise ConfigError(
             "metrics.prometheus_port",

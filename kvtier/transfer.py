@@ -301,7 +301,7 @@ class TransferEngine:
             self.load_stream = torch.cuda.Stream(self.device)
         self.workers = max(1, workers)
         self._pool = thread_pool(self.workers, "kvtier-io")
-        self._copier = None if self._cuda else Copier()
+        self._copier = None if self._cuda else Copier(name="kvtier-copy")
         # Byte-row views of the tensors given to background copies (the pools) and their
         # row size, kept with their tensor so that an id is never reused while its view
         # is cached. The size is kept too: reading it again (torch's nbytes, or numpy's

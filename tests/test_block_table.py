@@ -36,9 +36,11 @@ class Reference:
         self.hash: list[bytes | None] = [None] * n
         self.lru: OrderedDict[int, None] = OrderedDict()
         self.empty = list(range(n))[::-1]
+        self.frontier = 0  # one past the highest block ever allocated
 
     def allocate(self, n: int) -> tuple[list[int], list[int]]:
         out = [self.empty.pop() for _ in range(min(n, len(self.empty)))]
+        self.frontier = max([self.frontier, *(b + 1 for b in out)])
         victims = []
         while len(out) < n:
             b, _ = self.lru.popitem(last=False)
@@ -114,6 +116,21 @@ def test_random_operations_match_the_reference(seed: int) -> None:
             ref.free(req)
         assert state(t) == ref.state()
         assert t.num_free == len(ref.lru) + len(ref.empty)
+        assert t.frontier == ref.frontier
+
+
+def test_the_frontier_is_how_far_allocate_has_ever_reached() -> None:
+    """Blocks from ``frontier`` on were never handed out: empty blocks freed back go out
+    first, then never used ones in ascending order; a reset forgets no use."""
+    t = BlockTable(8)
+    assert t.frontier == 0
+    a = t.allocate(3, None)
+    assert a == [0, 1, 2] and t.frontier == 3
+    t.free([a[1]])  # back empty: handed out again first
+    assert t.allocate(2, None) == [1, 3] and t.frontier == 4
+    t.free([0, 1, 2, 3])
+    assert t.reset() and t.frontier == 4
+    assert t.allocate(5, None) == [0, 1, 2, 3, 4] and t.frontier == 5
 
 
 def test_the_eviction_hook_sees_hashes_positions_and_parents_before_they_are_dropped() -> None:

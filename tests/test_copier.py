@@ -137,6 +137,11 @@ def test_a_closed_copier_takes_no_job() -> None:
         c.submit(rows(2, 8), [0], np.zeros((2, 8), np.uint8), [1], 8)
 
 
+def test_a_thread_name_longer_than_linux_allows_is_refused() -> None:
+    with pytest.raises(ValueError, match="at most 15 bytes"):
+        Copier(name="kvtier-" + "x" * 9)
+
+
 def test_waiters_on_other_threads_all_see_the_copy(copier) -> None:
     src, dst = rows(16, 3 * PIECE), np.zeros((16, 3 * PIECE), np.uint8)
     job = copier.submit(src, list(range(16)), dst, list(range(16))[::-1], 3 * PIECE)
