@@ -40,6 +40,13 @@ blocks concerned, which vLLM recomputes (``kv_load_failure_policy: recompute``).
 promised load always ends: an async load is reported finished on every rank, failed
 or not, so no request waits forever.
 
+Costs. Each hook that does work counts its calls and the time spent in it (vLLM's
+``/metrics``: ``vllm:kvtier_hook_seconds_total{hook=...}``). On vLLM's CPU build a
+worker warns at start-up when vLLM bound its compute threads to every CPU of the
+process, as vLLM does on a small machine once any connector is configured (see
+``_warn_about_binding``; the README gives the setting). kvtier's own threads never
+change the engine's (``kvtier.threads``).
+
 Keys. With vLLM's default sha256 block hashes, keys are the same in every process,
 so engines sharing a disk or Redis tier share prefixes. With an xxhash algorithm
 vLLM seeds its hashes per process unless ``PYTHONHASHSEED`` is set: the connector
@@ -48,10 +55,13 @@ warns, and the spill tiers then only ever hit within one process.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import re
 import time
 from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -70,6 +80,7 @@ from vllm.distributed.parallel_state import (
     model_parallel_is_initialized,
 )
 from vllm.model_executor.models.utils import extract_layer_index
+from vllm.platforms import current_platform
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.config import KVTierConfig, load_config, parse_config
@@ -84,12 +95,15 @@ from kvtier.connector import (
 )
 from kvtier.integrations.vllm_metrics import (
     FAULTS,
+    HOOKS,
     LOAD_ERRORS,
     KVTierPromMetrics,
     KVTierStats,
     counters,
     gained,
+    hook_counters,
 )
+from kvtier.threads import process_cpus
 from kvtier.trace import Trace
 
 if TYPE_CHECKING:
@@ -113,6 +127,23 @@ HIT_SOURCES: dict[str, CacheHitSource] = {
     "disk": CacheHitSource.DISK,
     "redis": CacheHitSource.EXTERNAL_UNSPECIFIED,
 }
+
+
+def timed(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """Count the calls of a connector hook and the time spent in it (``HOOKS``)."""
+    name = hook.__name__
+    assert name in HOOKS, name
+
+    @functools.wraps(hook)
+    def run(self: KVTierConnector, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter_ns()
+        try:
+            return hook(self, *args, **kwargs)
+        finally:
+            self.hook_ns[name] += time.perf_counter_ns() - start
+            self.hook_calls[name] += 1
+
+    return run
 
 
 @dataclass(frozen=True)
@@ -199,6 +230,23 @@ def shard_name(parallel: ParallelConfig) -> str:
     return f"tp{tp}/{tp_size} pp{pp}/{pp_size}"
 
 
+def omp_cpus(environ: Mapping[str, str]) -> set[int] | None:
+    """The CPUs vLLM's CPU backend bound a worker's OpenMP threads to, read from the
+    variables it sets for each worker process (``KMP_AFFINITY``'s proclist,
+    ``GOMP_CPU_AFFINITY``, or ``OMP_PLACES`` under ``OMP_PROC_BIND``); None if unbound."""
+    if "proclist=[" in environ.get("KMP_AFFINITY", ""):
+        text = environ["KMP_AFFINITY"].split("proclist=[", 1)[1].split("]", 1)[0]
+    elif "GOMP_CPU_AFFINITY" in environ:
+        text = environ["GOMP_CPU_AFFINITY"]
+    elif environ.get("OMP_PROC_BIND", "false").lower() != "false":
+        text = environ.get("OMP_PLACES", "")
+    else:
+        return None
+    ranges = re.findall(r"(\d+)(?:-(\d+))?", text)
+    cpus = {cpu for lo, hi in ranges for cpu in range(int(lo), int(hi or lo) + 1)}
+    return cpus or None
+
+
 def load_connector_config(extra: dict[str, Any]) -> KVTierConfig:
     """The kvtier config named by ``kv_connector_extra_config``: ``config`` (a YAML path)
     or ``kvtier`` (the same document inline), not both."""
@@ -238,6 +286,8 @@ class KVTierConnector(KVConnectorBase_V1):
         model = self.config.model
         self._name = f"vllm:{vllm_config.model_config.model if model == 'default' else model}"
         self.faults: Counter[str] = Counter()  # exceptions caught, by hook
+        self.hook_calls: Counter[str] = Counter()  # calls of each timed hook
+        self.hook_ns: Counter[str] = Counter()  # nanoseconds spent in each timed hook
         self.trace = Trace(self.config.metrics.trace_path)
         self._reported: dict[str, int] = {}  # counters as last handed to vLLM's stats
         # Scheduler side.
@@ -274,12 +324,14 @@ class KVTierConnector(KVConnectorBase_V1):
             kv, self.block_size, model.get_num_kv_heads(parallel), model.get_head_size()
         )
         shard = shard_name(parallel)
+        self._guarded("register_kv_caches", self._warn_about_binding)
         self._cache = ConnectorCache(self.config, kv, layout, self._name, shard)
         log.info("kvtier: connector on %s (%s), shard %s", kv.describe(), layout.describe(), shard)
 
     def get_handshake_metadata(self) -> KVTierHandshake | None:
         return KVTierHandshake(self._cache.spec) if self._cache is not None else None
 
+    @timed
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Start this step's loads: host hits are copied now, spill hits on a worker."""
         meta = self._get_connector_metadata()
@@ -306,6 +358,7 @@ class KVTierConnector(KVConnectorBase_V1):
     ) -> None:
         """Nothing per layer: ``wait_for_save`` copies all layers of a batch at once."""
 
+    @timed
     def wait_for_save(self) -> None:
         """Copy the blocks that became full this step into the host pool."""
         meta = self._get_connector_metadata()
@@ -315,6 +368,7 @@ class KVTierConnector(KVConnectorBase_V1):
                 self._guarded("wait_for_save", self._save, spec)
         self._failed_now.clear()
 
+    @timed
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(requests whose blocks may be freed now: none, vLLM frees at once; requests
         whose async load is over, failed or not: failed blocks are in
@@ -343,6 +397,7 @@ class KVTierConnector(KVConnectorBase_V1):
         errors, self._load_errors = self._load_errors, set()
         return errors
 
+    @timed
     def build_connector_worker_meta(self) -> KVTierWorkerMeta | None:
         """What this worker's host pool gained and lost this step, for the index."""
         if self._cache is None:
@@ -352,8 +407,8 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> KVTierStats | None:
         """What kvtier's counters in this process gained since the last step: the
-        worker's tiers and load errors, and each half's caught faults."""
-        now = {FAULTS: sum(self.faults.values())}
+        worker's tiers and load errors, and each half's caught faults and hook costs."""
+        now = {FAULTS: sum(self.faults.values()), **hook_counters(self.hook_calls, self.hook_ns)}
         if self._cache is not None:
             now[LOAD_ERRORS] = self.num_load_errors
             now.update(counters(self._cache.counters()))
@@ -446,6 +501,7 @@ class KVTierConnector(KVConnectorBase_V1):
     def on_new_request(self, request: Request) -> None:
         self._requests[request.request_id] = _RequestState(request)
 
+    @timed
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
@@ -463,6 +519,7 @@ class KVTierConnector(KVConnectorBase_V1):
         state.hit, state.asynchronous = hit, bool(hit.spill)
         return hit.num_blocks * self.block_size, state.asynchronous
 
+    @timed
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
@@ -495,6 +552,7 @@ class KVTierConnector(KVConnectorBase_V1):
             out[source] = out.get(source, 0) + blocks * self.block_size
         return out
 
+    @timed
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMetadata:
         """This step's loads, and the blocks each scheduled request fills this step."""
         idle = scheduler_output.total_num_scheduled_tokens == 0
@@ -512,6 +570,7 @@ class KVTierConnector(KVConnectorBase_V1):
                     meta.saves.append(save)
         return meta
 
+    @timed
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Apply the workers' reports to the index, and note the requests whose load
         failed: the same tier would likely fail their retry too, and a request holding
@@ -530,6 +589,7 @@ class KVTierConnector(KVConnectorBase_V1):
         for req_id in done if self.trace else ():
             self.trace.event("load_over", req_id)
 
+    @timed
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -614,6 +674,27 @@ class KVTierConnector(KVConnectorBase_V1):
                     hook,
                 )
             return None
+
+    def _warn_about_binding(self) -> None:
+        """Warn once if vLLM bound this worker's compute threads to every CPU the process
+        has. Its CPU backend keeps cores free for its other processes (engine core, API
+        server), one more per rank when any KV connector is configured; where that would
+        keep every core, it keeps none and binds the compute threads to all of them, and
+        each decode step then contends with those processes."""
+        if not current_platform.is_cpu() or not hasattr(os, "sched_getaffinity"):
+            return
+        bound, cpus = omp_cpus(os.environ), process_cpus()
+        if bound is not None and len(cpus) > 1 and cpus <= bound:
+            log.warning(
+                "kvtier: vLLM bound this worker's compute threads to every CPU of the "
+                "process (%s), beside its engine-core and API-server processes: with a KV "
+                "connector configured its CPU backend reserves one more core per rank for "
+                "them, which on %d CPUs reserves all of them, and decode steps slow down. "
+                "Set VLLM_CPU_NUM_OF_RESERVED_CPU=1 (vLLM's reservation without a "
+                "connector) or bind the threads with VLLM_CPU_OMP_THREADS_BIND.",
+                ",".join(map(str, sorted(bound))),
+                len(cpus),
+            )
 
     def _warn_about_settings(self) -> None:
         cache_config = self._vllm_config.cache_config

@@ -10,7 +10,13 @@ labelled by tier, and ``vllm:kvtier_load_error_blocks_total`` /
 size 2 a block loaded on both ranks counts twice.
 
 The payload is a flat ``{name: int}`` dict (``"<tier>.<counter>"``, ``LOAD_ERRORS``,
-``FAULTS``): plain data, so that it crosses vLLM's process boundaries as it is.
+``FAULTS``, ``"hook.<hook>.calls"`` / ``"hook.<hook>.us"``): plain data, so that it
+crosses vLLM's process boundaries as it is.
+
+Hook costs. Every connector hook that does work counts its calls and the time spent
+in it (``vllm:kvtier_hook_calls_total`` / ``vllm:kvtier_hook_seconds_total``, labelled
+by hook): what the connector costs the engine's step, per hook, scheduler and worker
+side alike (``benchmarks/bench_vllm_serve.py`` prints it per step).
 """
 
 from __future__ import annotations
@@ -36,11 +42,34 @@ if TYPE_CHECKING:
 LOAD_ERRORS = "load_error_blocks"  # blocks reported to vLLM as not loaded
 FAULTS = "faults"  # exceptions a connector hook caught
 TIERS = ("cpu", "disk", "redis")
+# The hooks that are timed, by the side of vLLM that calls them (vLLM's per-layer
+# hooks are not: kvtier does nothing in them, and a timer would cost more than they do).
+SCHEDULER_HOOKS = (
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+)
+WORKER_HOOKS = (
+    "start_load_kv",
+    "wait_for_save",
+    "get_finished",
+    "build_connector_worker_meta",
+)
+HOOKS = SCHEDULER_HOOKS + WORKER_HOOKS
 EXTRA: dict[str, str] = {
     LOAD_ERRORS: "Blocks kvtier reported to vLLM as not loaded (vLLM recomputed them).",
     FAULTS: "Exceptions inside kvtier that its connector hooks caught (each a miss or a "
     "load error).",
 }
+
+
+def hook_counters(calls: Mapping[str, int], ns: Mapping[str, int]) -> dict[str, int]:
+    """The flat counters of the hooks' calls and time in them (µs)."""
+    out = {f"hook.{hook}.calls": n for hook, n in calls.items()}
+    out.update({f"hook.{hook}.us": t // 1000 for hook, t in ns.items()})
+    return out
 
 
 def counters(stats: CacheStats) -> dict[str, int]:
@@ -95,9 +124,17 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
                 values = {i: [*v, tier] if tier else v for i, v in per_engine_labelvalues.items()}
                 key = f"{tier}.{name}" if tier else name
                 self._metrics[key] = create_metric_per_engine(metric, values)
+        for what, doc in (("calls", "Calls of the connector's hook."),
+                          ("seconds", "Seconds spent in the connector's hook.")):  # fmt: skip
+            metric = self._counter_cls(name=f"vllm:kvtier_hook_{what}", documentation=doc,
+                                       labelnames=[*labelnames, "hook"])  # fmt: skip
+            unit = "calls" if what == "calls" else "us"
+            for hook in HOOKS:
+                values = {i: [*v, hook] for i, v in per_engine_labelvalues.items()}
+                self._metrics[f"hook.{hook}.{unit}"] = create_metric_per_engine(metric, values)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, n in transfer_stats_data.items():
             metric = self._metrics.get(key)
             if metric is not None and n > 0:
-                metric[engine_idx].inc(n)
+                metric[engine_idx].inc(n / 1e6 if key.endswith(".us") else n)

@@ -29,16 +29,26 @@ from pathlib import Path
 
 from kvtier.progress import progress
 
+# The README's setting for vLLM's CPU build on a small machine: the core reservation vLLM
+# makes without a connector (one core per rank; a connector would double it, and on a
+# few cores leave the compute threads bound to every core).
+SMALL_MACHINE_CORES = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+
 # Sources of vLLM's ``prompt_tokens_cached_by_source`` counter, as it names them.
 SOURCES = ("device", "host", "disk", "external_unspecified")
 
 
-def kv_transfer_config(kvtier_config: str | Path, module: str = "kvtier.integrations.vllm") -> str:
+def kv_transfer_config(
+    kvtier_config: str | Path,
+    module: str = "kvtier.integrations.vllm",
+    connector: str = "KVTierConnector",
+) -> str:
     """The ``--kv-transfer-config`` value that loads kvtier with a YAML config (from
-    ``module``: one that subclasses or wraps the connector, e.g. in tests)."""
+    ``module``, class ``connector``: one that subclasses, wraps or stands in for the
+    connector, e.g. in tests and benchmarks)."""
     return json.dumps(
         {
-            "kv_connector": "KVTierConnector",
+            "kv_connector": connector,
             "kv_connector_module_path": module,
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("vllm")
 from kvtier.config import ConfigError  # noqa: E402
-from kvtier.integrations.vllm import load_connector_config  # noqa: E402
+from kvtier.integrations.vllm import load_connector_config, omp_cpus  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -39,3 +39,23 @@ def test_a_bad_inline_document_names_its_key_path():
     where = r"kv_connector_extra_config\.kvtier: tiers\.cpu\.capacity"
     with pytest.raises(ConfigError, match=where):
         load_connector_config({"kvtier": {"tiers": {"cpu": {"capacity": -1}}}})
+
+
+@pytest.mark.parametrize(
+    "environ",
+    [
+        {"OMP_PLACES": "{0,2,3}", "OMP_PROC_BIND": "true"},
+        {"GOMP_CPU_AFFINITY": "0 2-3"},
+        {"KMP_AFFINITY": "granularity=fine,explicit,proclist=[0,2,3]"},
+    ],
+    ids=["omp", "gomp", "iomp"],
+)
+def test_the_cpus_vllm_binds_a_workers_compute_threads_to_are_read_from_its_variables(environ):
+    assert omp_cpus(environ) == {0, 2, 3}
+
+
+@pytest.mark.parametrize(
+    "environ", [{}, {"OMP_PLACES": "{0,1}"}, {"OMP_PLACES": "cores", "OMP_PROC_BIND": "true"}]
+)
+def test_compute_threads_vllm_did_not_bind_to_cpus_have_no_binding(environ):
+    assert omp_cpus(environ) is None

@@ -33,6 +33,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 
 from kvtier.connector import ConnectorCache, ConnectorIndex  # noqa: E402
 from kvtier.integrations.vllm import KVTierConnector  # noqa: E402
+from kvtier.integrations.vllm_metrics import SCHEDULER_HOOKS, WORKER_HOOKS  # noqa: E402
 from kvtier.tiers.lmdb import LMDBTier  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -123,10 +124,17 @@ class Engine:
     def get_block_ids(self, req_id: str) -> tuple[list[int]]:
         return self.tables[req_id].get_block_ids()
 
-    def admit(self, request: Request, table: list[int]) -> tuple[int, bool]:
-        """Scheduling of a new request with vLLM's own hit of ``num_computed_tokens``:
-        lookup, allocation of ``table``, and what vLLM was told."""
+    def arrive(self, request: Request) -> None:
+        """A request arrives and waits: vLLM has no room to schedule it this step."""
         self.scheduler.on_new_request(request)
+        self.step({})
+
+    def admit(self, request: Request, table: list[int], new: bool = True) -> tuple[int, bool]:
+        """Scheduling of a ``new`` request (else one that ``arrive``d) with vLLM's own
+        hit of ``num_computed_tokens``: lookup, allocation of ``table``, and what vLLM
+        was told."""
+        if new:
+            self.scheduler.on_new_request(request)
         n, asynchronous = self.scheduler.get_num_new_matched_tokens(
             request, request.num_computed_tokens
         )
@@ -196,10 +204,10 @@ def _host_only(host: str = "1MiB") -> dict:
     return {"tiers": {"cpu": {"capacity": host}}}
 
 
-def _disk(tmp_path: Path, host: str = "1MiB") -> dict:
+def _disk(tmp_path: Path, host: str = "1MiB", **cpu: object) -> dict:
     return {
         "tiers": {
-            "cpu": {"capacity": host},
+            "cpu": {"capacity": host, **cpu},
             "disk": {"path": str(tmp_path / "lmdb"), "capacity": "64MiB", "chunk_blocks": 2,
                      "write_policy": "write_through"},
         }
@@ -435,3 +443,17 @@ def test_vllm_failing_requests_on_a_load_error_is_warned_about(
             None,
         ).shutdown()
     assert "kv_load_failure_policy is 'fail'" in caplog.text
+
+
+def test_each_hook_reports_its_calls_and_the_time_spent_in_it(tiny_model, engines):
+    engine = engines(tiny_model, _host_only())
+    engine.serve(_request("a", _hashes(1, 4)), [0, 1, 2, 3, 4])  # one request, one step
+
+    for connector, hooks in (
+        (engine.scheduler, SCHEDULER_HOOKS),
+        (engine.workers[0], WORKER_HOOKS),
+    ):
+        stats = connector.get_kv_connector_stats().data
+        called = {hook: stats.get(f"hook.{hook}.calls", 0) for hook in hooks}
+        assert called == {hook: 0 if hook == "request_finished" else 1 for hook in hooks}
+        assert sum(stats.get(f"hook.{hook}.us", 0) for hook in hooks) > 0

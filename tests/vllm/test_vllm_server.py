@@ -10,11 +10,14 @@ Two flags are the machine's, not kvtier's: ``--gpu-memory-utilization 0.3`` (on 
 vLLM reserves that share of the NUMA node's memory, 0.92 by default, which a shared
 machine does not have free) and ``--num-gpu-blocks-override`` (vLLM's own KV pool kept
 as small relative to the traffic as a GPU's is under load, so that a shared prefix
-leaves it and comes back from kvtier).
+leaves it and comes back from kvtier). kvtier's servers run with
+``VLLM_CPU_NUM_OF_RESERVED_CPU=1``, as the README tells users of vLLM's CPU build on a
+small machine.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 from collections.abc import Iterator
@@ -36,6 +39,7 @@ CONFIG = ROOT / "configs" / "vllm.yaml"
 MACHINE = ["--gpu-memory-utilization", "0.3", "--num-gpu-blocks-override", "40"]
 TP2 = ["--tensor-parallel-size", "2"]
 TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank on a 2-core machine
+BINDING_WARNING = "kvtier: vLLM bound this worker's compute threads to every CPU"
 BLOCK = 128  # vLLM's default block size on CPU
 
 
@@ -77,7 +81,12 @@ class Space:
             "KVTIER_CACHE_DIR": str(self.disk),
             "KVTIER_CPU_CAPACITY": "64MiB",
             "KVTIER_REDIS_PREFIX": self.redis_prefix,
+            **vllm_server.SMALL_MACHINE_CORES,
         }
+
+    def logs(self) -> str:
+        """Everything this space's servers logged so far."""
+        return "".join(log.read_text() for log in self.disk.parent.glob("vllm-*.log"))
 
     def server(self, model: str, args: list[str], env: dict | None = None, **kw) -> VLLMServer:
         log = self.disk.parent / f"vllm-{len(list(self.disk.parent.glob('vllm-*.log')))}.log"
@@ -121,6 +130,24 @@ def test_after_a_restart_the_prefix_is_a_disk_hit(tiny_model, space, first_run, 
         tokens, sources = _serve(server, QUESTIONS[2])
     assert sources == {"disk": len(PREFIX)}
     assert tokens == reference[2]
+
+
+def test_the_connector_does_not_warn_of_the_core_binding_with_the_readmes_setting(space, first_run):
+    assert "Starting to load model" in space.logs()  # the worker's log is there
+    assert BINDING_WARNING not in space.logs()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) != 2, reason="the binding collapses on 2 CPUs")
+def test_the_connector_warns_when_vllm_binds_compute_threads_to_every_cpu(tiny_model, space):
+    """Without ``VLLM_CPU_NUM_OF_RESERVED_CPU``, vLLM reserves both CPUs of this machine
+    for its other processes once a connector is configured, so it reserves none."""
+    env = {**space.env(), "KVTIER_CACHE_DIR": str(space.disk.parent / "cores-cache")}
+    del env["VLLM_CPU_NUM_OF_RESERVED_CPU"]
+    log = space.disk.parent / "cores.log"
+    with VLLMServer(tiny_model, CONFIG, MACHINE, env, log):
+        pass
+    assert log.read_text().count(BINDING_WARNING) == 1
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU=1" in log.read_text()
 
 
 def test_tensor_parallel_2_hits_host_and_disk_and_replies_as_without_kvtier(
