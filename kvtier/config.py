@@ -113,12 +113,16 @@ class CPUTierConfig:
 
     ``write_policy``: ``on_evict`` copies a block down when the GPU pool evicts it;
     ``eager`` copies every committed block at once. ``eviction``: ``kvtier.eviction``.
+    ``stage_share``: connector mode (vLLM) reads a waiting request's spill-tier hit
+    into the host pool before the engine schedules it; blocks so staged and not yet
+    loaded take at most this share of the pool (0 turns staging off).
     """
 
     capacity: int = 4 * GiB
     pin_memory: bool | None = None
     write_policy: HostWritePolicy = "on_evict"
     eviction: EvictionPolicy = "reuse"
+    stage_share: float = 0.25
 
 
 @dataclass(frozen=True)
@@ -435,6 +439,13 @@ _port = _int_in(1, 65535, "a port number in 1..65535")
 _kv_factor = _int_in(1, 2, "1 (joint latent, MLA) or 2 (separate K and V)")
 
 
+def _fraction(value: Any, path: str) -> float:
+    value = _scalar(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise _expected(path, value, "a number from 0 to 1")
+    return float(value)
+
+
 def _bool(value: Any, path: str) -> bool:
     value = _scalar(value)
     if not isinstance(value, bool):
@@ -653,6 +664,7 @@ def _read_cpu(sec: _Section) -> CPUTierConfig:
         pin_memory=sec.get("pin_memory", _optional(_bool), d.pin_memory),
         write_policy=sec.get("write_policy", _choice(get_args(HostWritePolicy)), d.write_policy),
         eviction=sec.get("eviction", _eviction, d.eviction),
+        stage_share=sec.get("stage_share", _fraction, d.stage_share),
     )
 
 

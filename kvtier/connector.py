@@ -12,7 +12,8 @@ worker per tensor- or pipeline-parallel rank), so connector mode has two halves:
   the spill tiers themselves (LMDB and Redis are shared between processes).
 - ``ConnectorCache`` (each worker's process) owns the host pool, the copies and the
   spill writes of its *shard* (its rank's KV heads and layers), and carries out the
-  loads and saves the scheduler hands it each step. It reports which keys its host
+  loads, saves and stages (reads of a waiting request's spill hit into the host pool,
+  ahead of its load) the scheduler hands it each step. It reports which keys its host
   pool gained and lost, and the spill writes it has queued (``take_report``), for
   the index.
 
@@ -162,14 +163,26 @@ class ShardSpec:
 @dataclass
 class ShardReport:
     """What one shard's worker tells the index after a step: keys its host pool gained
-    (True) or lost (False), and per spill tier the values it queued (key -> size) or
-    whose write ended (key -> 0), which the tiers do not show until they land."""
+    (True) or lost (False), per spill tier the values it queued (key -> size) or whose
+    write ended (key -> 0), which the tiers do not show until they land, and the
+    requests whose stage is over (its blocks, if any, among ``held``)."""
 
     held: dict[bytes, bool] = field(default_factory=dict)
     queued: dict[str, dict[bytes, int]] = field(default_factory=dict)
+    staged: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.held or self.queued)
+        return bool(self.held or self.queued or self.staged)
+
+
+@dataclass
+class StageCounts:
+    """Blocks a shard staged ahead of their request's load: read into the host pool,
+    then loaded by a request, or evicted before any load used them."""
+
+    staged: int = 0
+    used: int = 0
+    evicted_unused: int = 0
 
 
 @dataclass(frozen=True)
@@ -312,7 +325,8 @@ class ConnectorIndex:
 @dataclass
 class _Load:
     """A pinned hit being copied into engine blocks ``blocks`` (in chain order):
-    ``host_slots`` hold the first blocks, ``spill_slots`` stage the spill runs."""
+    ``host_slots`` hold the first blocks, ``spill_slots`` stage the spill runs. A
+    *stage* is a load with no engine blocks: it only reads its runs into host slots."""
 
     keys: list[bytes]  # keys of the loaded blocks, in order
     parent: bytes  # key of the block before keys[0] (the root for block 0)
@@ -328,6 +342,7 @@ class _Load:
     result: LoadResult | None = None
     transfer: Transfer | None = None
     error: BaseException | None = None
+    cancelled: bool = False  # a stage whose request went away: not read if not begun
     finished: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -388,6 +403,11 @@ class ConnectorCache:
         self._host_view = kv.host_view(self.host.slab)
         self._stats = CacheStats(self.below.tier_stats())
         self._loads: dict[str, _Load] = {}
+        self._stages: dict[str, _Load] = {}  # by request: reading ahead of its load
+        self._stages_over: list[str] = []  # requests whose stage is over, to report
+        self._staged_unused: set[bytes] = set()  # keys stages published, no load used yet
+        self._stage_budget = int(config.tiers.cpu.stage_share * self.host.num_blocks)
+        self.stage_counts = StageCounts()
         self._saves: list[_Save] = []
         self._changes: dict[bytes, bool] = {}  # keys the host pool gained or lost
         self.trace = Trace(config.metrics.trace_path)
@@ -406,8 +426,10 @@ class ConnectorCache:
         """What the index needs to know of this shard since the last call."""
         with self._lock:
             self._poll_saves()
+            self._settle_stages()
             held, self._changes = self._changes, {}
-        return ShardReport(held, self.spill.take_queued() if self.spill else {})
+            staged, self._stages_over = self._stages_over, []
+        return ShardReport(held, self.spill.take_queued() if self.spill else {}, staged)
 
     # ------------------------------------------------------------------ loads
     def pin(
@@ -435,6 +457,10 @@ class ConnectorCache:
                 self.uses.record(keys)
             host_slots = self.host.lookup(keys[: hit.host_blocks])
             self.host.touch(host_slots)
+            if self._staged_unused:
+                used = self._staged_unused.intersection(keys[: len(host_slots)])
+                self._staged_unused -= used
+                self.stage_counts.used += len(used)
             runs = hit.spill.get(self.shard, ())
             if len(host_slots) < hit.host_blocks:
                 runs = ()  # a gap: what comes after it cannot be used
@@ -460,6 +486,47 @@ class ConnectorCache:
             if p is not None and not p.started:
                 del self._loads[req_id]
                 self.host.free(p.slots[::-1])
+
+    def stage(self, req_id: str, keys: Sequence[bytes], parent: bytes, hit: ConnectorHit) -> int:
+        """Read this shard's spill runs of ``hit`` (``keys`` its blocks' keys, ``parent``
+        the key before them) into host slots ahead of the request's load, on an I/O
+        worker, with no engine blocks; once read they are host-pool blocks like any other
+        (``take_report`` tells the index). Blocks staged and not yet loaded take at most
+        ``stage_share`` of the pool; allocating slots evicts only unpinned blocks.
+        Returns how many blocks it stages; ``take_report`` names the request once the
+        stage is over, whatever it read."""
+        with self._lock:
+            budget = self._stage_budget - len(self._staged_unused)
+            budget -= sum(len(p.spill_slots) for p in self._stages.values())
+            runs = truncate_runs(hit.spill.get(self.shard, ()), budget)
+            if req_id in self._stages or not runs:
+                self._stages_over.append(req_id)
+                return 0
+            try:
+                slots, runs = self.below.stage(runs)
+            except BaseException:
+                self._stages_over.append(req_id)
+                raise
+            n = len(slots)
+            p = _Load(list(keys[:n]), parent, hit.start, [], [], slots, runs, [])
+            p.started = time.perf_counter()
+            self._stages[req_id] = p
+            self.stage_counts.staged += n
+        self.transfer.submit(self._run_load, p, None)
+        return n
+
+    def unstage(self, req_id: str) -> None:
+        """The request of a stage went away: its runs are not read if the read has not
+        begun; a read under way ends and publishes what it read."""
+        with self._lock:
+            p = self._stages.get(req_id)
+            if p is not None:
+                p.cancelled = True
+
+    @property
+    def staging(self) -> bool:
+        """Whether a stage is under way."""
+        return bool(self._stages)
 
     def load(self, req_id: str) -> None:
         """Start the pinned load of ``req_id``. A host-only load is copied here (queued
@@ -494,6 +561,7 @@ class ConnectorCache:
                 del self._loads[req_id]
                 self._settle(req_id, p)
                 out.append((req_id, p.failed_blocks()))
+            self._settle_stages()
             return out
 
     # ------------------------------------------------------------------ saves
@@ -566,11 +634,13 @@ class ConnectorCache:
         self.below.flush()
 
     def wait_loads(self, timeout: float | None = None) -> None:
-        """Wait until the spill reads (and their copies up) of every started load are
-        over, or ``timeout`` seconds have passed; ``finished_loads`` then reports those
-        over (host-only loads are copies that ``load`` itself ran or queued)."""
+        """Wait until the spill reads (and their copies up) of every started load and
+        stage are over, or ``timeout`` seconds have passed; ``finished_loads`` then
+        reports those over (host-only loads are copies that ``load`` itself ran or
+        queued)."""
         with self._lock:
-            reading = [p for p in self._loads.values() if p.runs and p.started]
+            loads = (*self._loads.values(), *self._stages.values())
+            reading = [p for p in loads if p.runs and p.started]
         deadline = None if timeout is None else time.monotonic() + timeout
         for p in reading:
             left = None if deadline is None else deadline - time.monotonic()
@@ -627,17 +697,21 @@ class ConnectorCache:
 
     def _run_load(self, p: _Load, after: torch.cuda.Event | None) -> None:
         """On an I/O worker: read the spill runs into the staging slots, copy every
-        loaded block up, and wait for the copy. ``p.valid`` is set only at the end."""
+        loaded block up (a load), and wait for the copy. ``p.valid`` is set only at the
+        end."""
         p.times.run = time.time()
         try:
+            if p.cancelled:
+                return
             p.result = self.spill.load(p.runs, p.spill_slots)
             p.times.read = time.time()
             valid = len(p.host_slots) + p.result.num_blocks
-            self._copy_up(p, p.slots[:valid], after)
-            error = p.transfer.join()
-            if error is not None:
-                raise error
-            p.times.copied = time.time()
+            if p.blocks:  # a stage only reads
+                self._copy_up(p, p.slots[:valid], after)
+                error = p.transfer.join()
+                if error is not None:
+                    raise error
+                p.times.copied = time.time()
             p.valid = valid
         except Exception as e:  # settled as a failed load, never raised
             p.error = e
@@ -668,15 +742,28 @@ class ConnectorCache:
                 p.spill_slots[:loaded], keys, p.start + n_host, parent, p.runs
             )
             self._changes.update(dict.fromkeys(keys, True))
+            if not p.blocks:
+                self._staged_unused.update(keys)
         self.host.free(p.slots[::-1])
         from_host = min(p.valid, n_host)
         if from_host:
             stats.count_out(from_host, from_host * self.layout.block_nbytes)
-        self._stats.prefetch_latency.observe(time.perf_counter() - p.started)
+        if p.blocks:
+            self._stats.prefetch_latency.observe(time.perf_counter() - p.started)
         if self.trace:
             blocks = hit_blocks(len(p.host_slots), p.runs)
             reads = p.result.read_seconds if p.result else {}
-            self.trace.load(req_id, self.shard, blocks, p.valid, p.times, reads)
+            event = "load" if p.blocks else "stage"
+            self.trace.load(req_id, self.shard, blocks, p.valid, p.times, reads, event)
+
+    def _settle_stages(self) -> None:
+        """Settle the stages that are over (their blocks published, their slots
+        unpinned), for ``take_report`` to name."""
+        for req_id, p in list(self._stages.items()):
+            if p.finished.is_set():
+                del self._stages[req_id]
+                self._settle(req_id, p)
+                self._stages_over.append(req_id)
 
     def _save_piece(self, src: list[int], chain: CachedBlocks) -> None:
         """Copy engine blocks ``src`` into newly allocated slots that will hold ``chain``."""
@@ -725,5 +812,9 @@ class ConnectorCache:
         """Host eviction hook: the index learns the victims are gone; the spill tiers
         take their chunks before the slots are reused."""
         self._changes.update(dict.fromkeys(victims.hashes, False))
+        if self._staged_unused:
+            unused = self._staged_unused.intersection(victims.hashes)
+            self._staged_unused -= unused
+            self.stage_counts.evicted_unused += len(unused)
         if self.spill:
             self.spill.on_host_evict(victims)

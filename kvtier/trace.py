@@ -21,6 +21,12 @@ Events, with their fields besides ``t``, ``pid``, ``event`` and ``req``:
   ``pinned``, ``run`` (an I/O worker took it; spill loads only), ``read`` (the spill
   tiers' values are read, checked and in host slots), ``copied`` (in the engine's KV),
   with ``read_seconds`` per tier (the tiers' own get calls).
+- ``stage_planned`` (scheduler): a waiting request's spill-tier hit is to be read into
+  the host pools ahead of its load (connector mode); ``blocks``.
+- ``stage`` (worker, once settled): as ``load``, for a stage (no engine blocks, so
+  nothing is copied up): its blocks are in the host pool from ``read`` on.
+- ``lookup`` with ``waiting``: the scheduler asked the engine to come back once the
+  request's stage is over.
 - ``load_reported`` (worker): the engine was told the async load is over.
 - ``load_over`` (scheduler): every worker has reported it.
 - ``compute`` (scheduler): the engine computes the request's first tokens after its
@@ -77,11 +83,12 @@ class Trace:
         valid: int,
         times: LoadTimes,
         read_seconds: dict[str, float],
+        event: str = "load",
     ) -> None:
-        """The ``load`` event of a settled load; a copy not seen end (queued on a
-        stream or the copier) counts as copied now."""
+        """The ``load`` (or ``stage``) event of a settled load; a copy not seen end
+        (queued on a stream or the copier) counts as copied now."""
         self.event(
-            "load",
+            event,
             req,
             shard=shard,
             blocks=blocks,

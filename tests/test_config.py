@@ -290,6 +290,19 @@ def test_parse_duration_rejects(value: Any) -> None:
     assert info.value.path == "tiers.redis.ttl"
 
 
+@pytest.mark.parametrize(("value", "expected"), [(0, 0.0), (0.5, 0.5), (1, 1.0)])
+def test_the_stage_share_is_a_fraction_of_the_host_pool(value: Any, expected: float) -> None:
+    cpu = parse_config({"tiers": {"cpu": {"stage_share": value}}}).tiers.cpu
+    assert cpu is not None and cpu.stage_share == expected
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.5, "half", True, None])
+def test_a_stage_share_outside_0_to_1_names_its_key(value: Any) -> None:
+    with pytest.raises(ConfigError, match="expected a number from 0 to 1") as info:
+        parse_config({"tiers": {"cpu": {"stage_share": value}}})
+    assert info.value.path == "tiers.cpu.stage_share"
+
+
 # --- environment interpolation -----------------------------------------------------
 
 

@@ -102,6 +102,7 @@ from kvtier.integrations.vllm_metrics import (
     counters,
     gained,
     hook_counters,
+    stage_counters,
 )
 from kvtier.threads import process_cpus
 from kvtier.trace import Trace
@@ -120,6 +121,9 @@ log = logging.getLogger(__name__)
 
 # Seconds a worker waits at most, in a step that computes nothing, for its async loads.
 IDLE_STEP_WAIT = 0.02
+# Seconds a request vLLM would schedule while its stage is under way waits for the stage
+# (vLLM asks again each step); past them its load reads what the stage has not.
+STAGE_PATIENCE = 2.0
 
 # Where vLLM's hit sources name kvtier's tiers; Redis is a remote store.
 HIT_SOURCES: dict[str, CacheHitSource] = {
@@ -190,16 +194,33 @@ class SaveSpec:
     start: int
 
 
+@dataclass(frozen=True)
+class StageSpec:
+    """Read the spill-tier part of waiting request ``req_id``'s hit into the host pools
+    ahead of its load: ``hit`` holds each shard's runs from chain position
+    ``hit.start``, ``keys`` the base keys of its blocks, ``parent`` that of the block
+    before (None for block 0)."""
+
+    req_id: str
+    hit: ConnectorHit
+    keys: list[bytes]
+    parent: bytes | None
+
+
 @dataclass
 class KVTierMetadata(KVConnectorMetadata):
     """What the workers do this step: loads before the forward, saves after it, and
     ``reset``: drop the host pool first (the scheduler moved to a new key space).
-    ``idle``: the step computes nothing (every request waits for its load)."""
+    ``idle``: the step computes nothing (every request waits for its load).
+    ``stages``: reads ahead for waiting requests; ``unstaged``: requests that went away,
+    whose stages need not be read."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     reset: bool = False
     idle: bool = False
+    stages: list[StageSpec] = field(default_factory=list)
+    unstaged: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -216,6 +237,9 @@ class _RequestState:
     failed: bool = False  # a load of it failed: it is not offered another (vLLM recomputes)
     saves: bool = True  # False once reset_cache ran: its KV may be the old weights'
     computing: bool = False  # the engine has scheduled tokens of it to compute
+    looked_up: bool = False  # get_num_new_matched_tokens has seen it
+    staging: set[str] = field(default_factory=set)  # shards whose stage of it is not over
+    staged_at: float = 0.0  # when its stage went to the workers (time.monotonic())
 
 
 def shard_name(parallel: ParallelConfig) -> str:
@@ -294,6 +318,10 @@ class KVTierConnector(KVConnectorBase_V1):
         self.index: ConnectorIndex | None = None
         self._requests: dict[str, _RequestState] = {}
         self._loads: list[LoadSpec] = []
+        self._unscheduled: dict[str, _RequestState] = {}  # arrived or looked up this step
+        self._unstaged: list[str] = []
+        cpu = self.config.tiers.cpu
+        self._staging = cpu is not None and cpu.stage_share > 0
         self._reset = False
         # Worker side.
         self._cache: ConnectorCache | None = None
@@ -333,11 +361,14 @@ class KVTierConnector(KVConnectorBase_V1):
 
     @timed
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Start this step's loads: host hits are copied now, spill hits on a worker."""
+        """Start this step's loads (host hits are copied now, spill hits on a worker),
+        then its stages (on a worker too)."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVTierMetadata)
         if meta.reset:
             self._guarded("reset", self.cache.reset)
+        for req_id in meta.unstaged:
+            self._guarded("start_load_kv", self.cache.unstage, req_id)
         for spec in meta.loads:
             if spec.asynchronous:
                 self._async_loads[spec.req_id] = spec.block_ids
@@ -345,6 +376,8 @@ class KVTierConnector(KVConnectorBase_V1):
                 self._fail_load(spec)
         if any(not spec.asynchronous for spec in meta.loads):
             self._collect_loads()  # see which sync loads failed before saving below
+        for stage in meta.stages:  # after the loads: they are wanted now
+            self._guarded("start_load_kv", self._stage, stage)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: sync loads are in place (or stream-ordered) already."""
@@ -373,7 +406,7 @@ class KVTierConnector(KVConnectorBase_V1):
         """(requests whose blocks may be freed now: none, vLLM frees at once; requests
         whose async load is over, failed or not: failed blocks are in
         ``get_block_ids_with_load_errors``)."""
-        if self._async_loads:
+        if self._async_loads or (self._cache is not None and self._cache.staging):
             # vLLM calls this every step, and steps back to back while a request waits
             # for its load; the loads run on Python threads that need the GIL between
             # their reads. In a step that computes nothing, wait for them here (a while
@@ -412,6 +445,7 @@ class KVTierConnector(KVConnectorBase_V1):
         if self._cache is not None:
             now[LOAD_ERRORS] = self.num_load_errors
             now.update(counters(self._cache.counters()))
+            now.update(stage_counters(self._cache.stage_counts))
         step, self._reported = gained(now, self._reported), now
         return KVTierStats(step) if step else None
 
@@ -448,6 +482,12 @@ class KVTierConnector(KVConnectorBase_V1):
             cache.abandon(spec.req_id)
             raise
         return True
+
+    def _stage(self, spec: StageSpec) -> None:
+        cache = self.cache
+        keys = cache.keys(spec.keys)
+        parent = cache.keys([spec.parent])[0] if spec.parent is not None else cache.root
+        cache.stage(spec.req_id, keys, parent, spec.hit)
 
     def _fail_load(self, spec: LoadSpec) -> None:
         """Report every block of ``spec`` as not loaded; an async load is over."""
@@ -498,25 +538,45 @@ class KVTierConnector(KVConnectorBase_V1):
         self.index.set_shards(shards)
         log.info("kvtier: scheduler index over %d shard(s)", len(shards))
 
+    @timed
     def on_new_request(self, request: Request) -> None:
-        self._requests[request.request_id] = _RequestState(request)
+        """A request arrived: should it wait, the part of its hit on disk or in Redis is
+        staged into the host pools (``tiers.cpu.stage_share``), so that it is a host hit
+        by the time vLLM schedules it (``build_connector_meta``)."""
+        state = self._requests[request.request_id] = _RequestState(request)
+        if self._staging:
+            self._unscheduled[request.request_id] = state
 
     @timed
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
-    ) -> tuple[int, bool]:
-        """Tokens past vLLM's own hit held below it; async when spill tiers must be read."""
+    ) -> tuple[int | None, bool]:
+        """Tokens past vLLM's own hit held below it; async when spill tiers must be read.
+        None while the request's stage is reading its spill part (at most
+        ``STAGE_PATIENCE``): vLLM asks again in a later step, and by then it is a host
+        hit."""
         state = self._state(request)
-        state.hit, state.asynchronous = None, False
+        state.hit, state.asynchronous, state.looked_up = None, False, True
         start = time.time()
         hit = self._guarded("get_num_new_matched_tokens", self._match, state, num_computed_tokens)
+        waiting = bool(
+            hit is not None
+            and hit.spill
+            and state.staging
+            and time.monotonic() - state.staged_at < STAGE_PATIENCE
+        )  # its stage is reading that part: vLLM asks again next step, never read twice
         if self.trace:
             blocks = hit.blocks_per_tier() if hit else {}
             seconds = time.time() - start
-            self.trace.event("lookup", request.request_id, start, seconds=seconds, blocks=blocks)
+            self.trace.event("lookup", request.request_id, start, seconds=seconds,
+                             blocks=blocks, waiting=waiting)  # fmt: skip
+        if waiting:
+            return None, False
         if hit is None or not hit.num_blocks:
             return 0, False
         state.hit, state.asynchronous = hit, bool(hit.spill)
+        if self._staging and hit.spill:  # staged at the step's end unless vLLM runs it now
+            self._unscheduled[request.request_id] = state
         return hit.num_blocks * self.block_size, state.asynchronous
 
     @timed
@@ -526,6 +586,7 @@ class KVTierConnector(KVConnectorBase_V1):
         """Pin the hit for the blocks vLLM allocated; the workers load it this step."""
         state = self._state(request)
         hit, state.hit = state.hit, None
+        self._unscheduled.pop(request.request_id, None)
         if not num_external_tokens or hit is None:
             return
         hit = hit.truncated(num_external_tokens // self.block_size)
@@ -556,8 +617,14 @@ class KVTierConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMetadata:
         """This step's loads, and the blocks each scheduled request fills this step."""
         idle = scheduler_output.total_num_scheduled_tokens == 0
-        meta = KVTierMetadata(loads=self._loads, reset=self._reset, idle=idle)
-        self._loads, self._reset = [], False
+        stages = []
+        for state in self._unscheduled.values():  # not scheduled this step: they wait
+            if not state.staging:
+                stage = self._guarded("build_connector_meta", self._stage_spec, state)
+                stages += [stage] if stage is not None else []
+        self._unscheduled.clear()
+        meta = KVTierMetadata(self._loads, [], self._reset, idle, stages, self._unstaged)
+        self._loads, self._reset, self._unstaged = [], False, []
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(req_id)
             if state is not None and state.loaded and not state.computing and num_new:
@@ -579,6 +646,10 @@ class KVTierConnector(KVConnectorBase_V1):
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, KVTierWorkerMeta):
             self._guarded("update_connector_output", self.index.apply, meta.reports)
+            for shard, report in meta.reports.items():
+                for req_id in report.staged:
+                    if req_id in self._requests:
+                        self._requests[req_id].staging.discard(shard)
         invalid = connector_output.invalid_block_ids
         done = connector_output.finished_recving or ()
         for state in self._requests.values():
@@ -593,8 +664,12 @@ class KVTierConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """vLLM may free the blocks at once: a save's copy is ordered before their reuse."""
-        self._requests.pop(request.request_id, None)
+        """vLLM may free the blocks at once: a save's copy is ordered before their reuse.
+        A stage of the request still under way need not be read any more."""
+        state = self._requests.pop(request.request_id, None)
+        self._unscheduled.pop(request.request_id, None)
+        if state is not None and state.staging:
+            self._unstaged.append(request.request_id)
         return False, None
 
     def reset_cache(self) -> bool:
@@ -605,10 +680,12 @@ class KVTierConnector(KVConnectorBase_V1):
         weights."""
         self.index.reset()
         self._reset = True
+        self._unscheduled.clear()
         for state in self._requests.values():
             state.keys.clear()
             state.hit = None
             state.saves = False
+            state.staging.clear()
         return True
 
     # ------------------------------------------------------------------ helpers
@@ -618,6 +695,27 @@ class KVTierConnector(KVConnectorBase_V1):
         if start >= wanted or state.failed:
             return None
         return self.index.lookup(self._keys(state)[:wanted], start)
+
+    def _stage_spec(self, state: _RequestState) -> StageSpec | None:
+        """The stage of the spill-tier part of a waiting request's hit: the one its
+        lookup found, or, not looked up yet, one from block 0 (vLLM's own hit unknown);
+        None if nothing below the host pools is to be read."""
+        if not self.index.tiers or (state.looked_up and state.hit is None):
+            return None
+        keys = self._keys(state)[: (state.request.num_tokens - 1) // self.block_size]
+        hit = state.hit if state.looked_up else self.index.lookup(keys, 0)
+        state.hit = None  # staged once: a later lookup gives it a new hit
+        if not hit.spill_blocks:
+            return None
+        start = hit.start + hit.host_blocks
+        parent = keys[start - 1] if start else None
+        spill = ConnectorHit(start, 0, hit.spill)
+        req_id = state.request.request_id
+        state.staging = {shard.name for shard in self.index.shards}
+        state.staged_at = time.monotonic()
+        if self.trace:
+            self.trace.event("stage_planned", req_id, blocks=spill.num_blocks)
+        return StageSpec(req_id, spill, keys[start : start + spill.num_blocks], parent)
 
     def _load_spec(self, state: _RequestState, hit: ConnectorHit, targets: list[int]) -> LoadSpec:
         keys = self._keys(state)

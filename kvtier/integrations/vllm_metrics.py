@@ -33,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+from kvtier.connector import StageCounts
 from kvtier.metrics import CacheStats
 from kvtier.prometheus import COUNTERS
 
@@ -45,6 +46,7 @@ TIERS = ("cpu", "disk", "redis")
 # The hooks that are timed, by the side of vLLM that calls them (vLLM's per-layer
 # hooks are not: kvtier does nothing in them, and a timer would cost more than they do).
 SCHEDULER_HOOKS = (
+    "on_new_request",
     "get_num_new_matched_tokens",
     "update_state_after_alloc",
     "build_connector_meta",
@@ -62,7 +64,21 @@ EXTRA: dict[str, str] = {
     LOAD_ERRORS: "Blocks kvtier reported to vLLM as not loaded (vLLM recomputed them).",
     FAULTS: "Exceptions inside kvtier that its connector hooks caught (each a miss or a "
     "load error).",
+    "staged_blocks": "Blocks read from disk or Redis into the host pool while their "
+    "request waited to be scheduled.",
+    "staged_used_blocks": "Staged blocks that a request's load then used.",
+    "staged_evicted_unused_blocks": "Staged blocks evicted from the host pool before any "
+    "load used them.",
 }
+
+
+def stage_counters(counts: StageCounts) -> dict[str, int]:
+    """The flat counters of a shard's stages."""
+    return {
+        "staged_blocks": counts.staged,
+        "staged_used_blocks": counts.used,
+        "staged_evicted_unused_blocks": counts.evicted_unused,
+    }
 
 
 def hook_counters(calls: Mapping[str, int], ns: Mapping[str, int]) -> dict[str, int]:

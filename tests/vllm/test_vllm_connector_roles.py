@@ -219,7 +219,7 @@ def _redis(prefix: str) -> dict:
     an LMDB store opens once per process, as each TP rank's process does)."""
     return {
         "tiers": {
-            "cpu": {"capacity": "1MiB"},
+            "cpu": {"capacity": "1MiB", "stage_share": 0.5},
             "redis": {"url": LOCAL_URL, "key_prefix": prefix, "chunk_blocks": 2},
         }
     }
@@ -457,3 +457,121 @@ def test_each_hook_reports_its_calls_and_the_time_spent_in_it(tiny_model, engine
         called = {hook: stats.get(f"hook.{hook}.calls", 0) for hook in hooks}
         assert called == {hook: 0 if hook == "request_finished" else 1 for hook in hooks}
         assert sum(stats.get(f"hook.{hook}.us", 0) for hook in hooks) > 0
+
+
+def _on_disk(tiny_model, engines, config: dict, chain: list[bytes], tp: int = 1) -> list:
+    """Store ``chain`` below a first engine and close it; returns its blocks' KV (rank 0)."""
+    writer = engines(tiny_model, config, tp)
+    writer.serve(_request("w", chain), list(range(len(chain) + 1)))
+    saved = writer.kv(0, list(range(len(chain))))
+    writer.close()
+    return saved
+
+
+def _staged(engine: Engine) -> list[int]:
+    """Each worker's blocks staged so far, once its stages are over and reported."""
+    for worker in engine.workers:
+        worker.cache.wait_loads()
+    engine.step({})
+    return [worker.cache.stage_counts.staged for worker in engine.workers]
+
+
+def test_a_waiting_requests_disk_hit_is_staged_and_then_loads_from_the_host_pool(
+    tiny_model, engines, tmp_path
+):
+    chain = _hashes(20, 4)
+    saved = _on_disk(tiny_model, engines, _disk(tmp_path), chain)
+    engine = engines(tiny_model, _disk(tmp_path))  # a restart: empty host pool
+    request = _request("r", chain)
+    engine.arrive(request)
+    assert _staged(engine) == [4]
+
+    assert engine.admit(request, [5, 6, 7, 8, 9], new=False) == (4 * BLOCK, False)  # host
+    engine.step({"r": 1})
+    for got, want in zip(engine.kv(0, [5, 6, 7, 8]), saved, strict=True):
+        assert torch.equal(got, want)
+    assert engine.workers[0].cache.stage_counts.used == 4
+
+
+def test_a_request_scheduled_while_its_stage_reads_waits_for_it_and_nothing_is_read_twice(
+    tiny_model, engines, tmp_path
+):
+    chain = _hashes(21, 4)
+    _on_disk(tiny_model, engines, _disk(tmp_path), chain)
+    engine = engines(tiny_model, {**_disk(tmp_path), "transfer": {"io_threads": 1}})
+    gate = threading.Event()
+    engine.workers[0].cache.transfer.submit(gate.wait, 30)  # the only I/O worker is busy
+    request = _request("r", chain)
+    engine.arrive(request)  # the stage went to the worker with this step, and waits
+    assert engine.scheduler.get_num_new_matched_tokens(request, 0) == (None, False)
+    gate.set()
+    _staged(engine)
+
+    assert engine.admit(request, [5, 6, 7, 8, 9], new=False) == (4 * BLOCK, False)
+    engine.step({"r": 1})
+    assert engine.workers[0].cache.counters()["disk"].blocks_out == 4  # read once
+
+
+def test_a_request_scheduled_in_the_step_it_arrives_is_loaded_not_staged(
+    tiny_model, engines, tmp_path
+):
+    chain = _hashes(22, 4)
+    _on_disk(tiny_model, engines, _disk(tmp_path), chain)
+    engine = engines(tiny_model, _disk(tmp_path))
+    assert engine.admit(_request("r", chain), [5, 6, 7, 8, 9]) == (4 * BLOCK, True)
+    assert engine.load() == ({"r"}, set())
+    assert engine.workers[0].cache.stage_counts.staged == 0
+
+
+def test_staged_blocks_take_at_most_the_stage_share_of_the_host_pool(tiny_model, engines, tmp_path):
+    chain = _hashes(23, 8)
+    _on_disk(tiny_model, engines, _disk(tmp_path), chain)
+    # 16 KiB blocks: a pool of 16, a quarter of it for stages
+    engine = engines(tiny_model, _disk(tmp_path, host="256KiB", stage_share=0.25))
+    engine.arrive(_request("r", chain))
+    assert _staged(engine) == [4]
+    engine.arrive(_request("s", chain))  # the first stage's blocks are not used yet
+    assert _staged(engine) == [4]
+
+
+def test_no_stage_is_made_with_a_stage_share_of_zero(tiny_model, engines, tmp_path):
+    chain = _hashes(24, 4)
+    _on_disk(tiny_model, engines, _disk(tmp_path), chain)
+    engine = engines(tiny_model, _disk(tmp_path, stage_share=0))
+    engine.arrive(_request("r", chain))
+    assert _staged(engine) == [0]
+
+
+def test_a_stage_whose_request_goes_away_before_its_read_reads_nothing_and_pins_nothing(
+    tiny_model, engines, tmp_path
+):
+    chain = _hashes(25, 4)
+    _on_disk(tiny_model, engines, _disk(tmp_path), chain)
+    engine = engines(tiny_model, {**_disk(tmp_path), "transfer": {"io_threads": 1}})
+    cache = engine.workers[0].cache
+    gate = threading.Event()
+    cache.transfer.submit(gate.wait, 30)  # the only I/O worker is busy
+    request = _request("r", chain)
+    engine.arrive(request)  # its stage is queued behind the busy worker
+    engine.scheduler.request_finished(request, [])  # the client gave up
+    engine.step({})
+    gate.set()
+    _staged(engine)
+
+    assert cache.counters()["disk"].blocks_out == 0
+    assert cache.host.num_free == cache.host.num_blocks  # no slot pinned
+    assert engine.serve(_request("next", chain), [0, 1, 2, 3, 4])[0] == 4 * BLOCK  # serving
+
+
+def test_each_tensor_parallel_shard_stages_its_own_blocks(tiny_model, engines, redis_prefix):
+    chain = _hashes(26, 4)
+    saved = _on_disk(tiny_model, engines, _redis(redis_prefix), chain, tp=2)
+    engine = engines(tiny_model, _redis(redis_prefix), tp=2)
+    request = _request("r", chain)
+    engine.arrive(request)
+    assert _staged(engine) == [4, 4]
+
+    assert engine.admit(request, [5, 6, 7, 8, 9], new=False) == (4 * BLOCK, False)
+    engine.step({"r": 1})
+    for got, want in zip(engine.kv(0, [5, 6, 7, 8]), saved, strict=True):
+        assert torch.equal(got, want)
