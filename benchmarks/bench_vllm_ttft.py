@@ -3,9 +3,10 @@ kvtier hit from each tier, each spill tier against its physical limit.
 
 Every server is vLLM's OpenAI-compatible server as users run it
 (``kvtier.integrations.vllm_server``: engine core and worker in processes of their
-own), on kvtier's demo Llama (4 layers, hidden 512, 8 heads, 4 KV heads, float32;
-random weights, no download), whose prefill of a few thousand tokens is clearly
-measurable on a CPU. Every timed prompt is one long shared prefix plus a question of
+own, ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` as the README says for a small machine), on
+kvtier's demo Llama (4 layers, hidden 512, 8 heads, 4 KV heads, float32; random
+weights, no download), whose prefill of a few thousand tokens is clearly measurable on
+a CPU. Every timed prompt is one long shared prefix plus a question of
 its own; TTFT is measured by the HTTP client, from sending the request to the first
 streamed token, ms. vLLM's own KV pool holds one prompt, and an unrelated prompt that
 fills it runs before each timed one, so the prefix is never in vLLM's own cache.
@@ -60,7 +61,7 @@ from _ttft import (
 
 from kvtier.demo import DEMO_MODEL
 from kvtier.integrations.vllm_engine import save_model
-from kvtier.integrations.vllm_server import VLLMServer
+from kvtier.integrations.vllm_server import SMALL_MACHINE_CORES, VLLMServer
 from kvtier.trace import phases, read_trace
 
 BENCHMARK = "bench_vllm_ttft"
@@ -101,7 +102,8 @@ class Bench:
             config.write_text(yaml.safe_dump(doc))
         self._logs += 1
         log = self.work / f"vllm-{self._logs}.log"
-        return VLLMServer(self.model, config, [*self.args, *args], log_path=log)
+        env = SMALL_MACHINE_CORES  # the README's setting for vLLM's CPU build
+        return VLLMServer(self.model, config, [*self.args, *args], env=env, log_path=log)
 
     def timed(
         self, server: VLLMServer, i: int, tier: str | None, case: str, raw: RawReader | None

@@ -1,0 +1,496 @@
+"""Serving benchmark with vLLM's own client: vLLM alone, with kvtier, and with a connector
+that does nothing, on traffic that reuses prefixes and traffic that does not.
+
+Every server is vLLM's OpenAI-compatible server as the README starts it
+(``kvtier.integrations.vllm_server``), on kvtier's demo Llama (random weights, float32),
+vLLM's defaults but for the machine's flags (``--gpu-memory-utilization 0.3``) and a
+small KV pool (``--num-gpu-blocks-override 48``: a few prompts' worth, as on a busy GPU),
+and with ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``, the setting the README gives for vLLM's CPU
+build on a small machine (``--vllm-default-cores`` leaves it unset):
+
+- ``alone``: no connector.
+- ``noop``: a connector whose every hook does nothing (``_noop_connector.py``): what
+  having any connector configured costs vLLM, apart from kvtier's work.
+- ``kvtier``: ``configs/vllm.yaml`` as shipped (host pool, disk, Redis), its disk and
+  Redis key prefix new for every server.
+- ``kvtier disk`` / ``kvtier redis``: the same with a host pool smaller than the
+  workload's prefixes (``KVTIER_CPU_CAPACITY``), so hits come from the disk tier, or,
+  with the disk tier left out of the config, from Redis.
+- ``..., no staging``: the same without staging a waiting request's hit into the host
+  pool (``KVTIER_STAGE_SHARE=0``).
+- ``... restarted``: a server that served the workload's prime prompts, then restarted
+  on the same tiers, so the prefixes are on disk (or only in Redis) and nowhere else.
+
+The client is vLLM's own (``vllm.benchmarks.serve``, the code behind ``vllm bench
+serve``), greedy (``--temperature 0``), in this process. Workloads:
+
+- ``random``: prompts that share nothing (vLLM's ``random`` dataset).
+- ``shared``: a few long prefixes, each behind many questions, in random order
+  (``prefix_repetition``): more prefixes than vLLM's pool holds.
+- ``chat``: multi-turn chats from kvtier's workload generator (``kvtier.tracegen``,
+  chats only), replayed at their arrival times (vLLM's ``timed_trace`` dataset): turns
+  whose prompts grow by every earlier message and reply, behind shared system prompts.
+- ``spill``: as ``shared`` with more prefixes than the host pool of ``kvtier disk`` /
+  ``kvtier redis`` holds, and more requests in flight than vLLM's pool holds, so
+  requests queue and their hits come from disk or Redis.
+- ``burst``: eight requests at once on eight 2k-token prefixes that an earlier run
+  (the prime, untimed) stored: in the host pool (``kvtier``, the prime ending with
+  prompts that push them out of vLLM's pool), on disk or only in Redis (restarted).
+  Most of them wait in vLLM's queue. (Not in ``--quick``: it restarts servers.)
+
+Each repeat starts every server once (in an order that alternates between repeats),
+with fresh tiers, and runs its workloads on it (``--quick``: one repeat, fewer
+prompts, no ``no staging`` servers). A row is the median over the repeats;
+its ratio is to vLLM alone's median in the same run. Replies are compared with vLLM
+alone's of the same repeat, prompt by prompt (greedy, so they should be equal).
+
+The hook table gives what each of kvtier's connector hooks costs per engine step, read
+from the counters the connector reports to vLLM's ``/metrics``
+(``vllm:kvtier_hook_calls_total`` / ``vllm:kvtier_hook_seconds_total``; the scheduler's
+hooks run in vLLM's engine-core process, the workers' in each worker's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import re
+import statistics
+import tempfile
+import uuid
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+import yaml
+from _report import Result, machine_info, print_table, standard_args, summarize, write_json
+from _ttft import bench_redis_url
+
+from kvtier.demo import DEMO_MODEL
+from kvtier.integrations.vllm_engine import save_model
+from kvtier.integrations.vllm_metrics import SCHEDULER_HOOKS, WORKER_HOOKS
+from kvtier.integrations.vllm_server import SMALL_MACHINE_CORES, VLLMServer, kv_transfer_config
+from kvtier.progress import progress
+from kvtier.tracegen import WorkloadShape, generate, write_trace
+
+BENCHMARK = "bench_vllm_serve"
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "vllm.yaml"
+DTYPE = "float32"  # bf16 matmuls are several times slower on CPUs without AMX
+POOL_BLOCKS = 48  # vLLM's own KV pool: 48 blocks of 128 tokens
+MAX_MODEL_LEN = (POOL_BLOCKS - 1) * 128  # one block of the pool is vLLM's own
+SERVER_ARGS = ["--dtype", DTYPE, "--gpu-memory-utilization", "0.3",
+               "--num-gpu-blocks-override", str(POOL_BLOCKS),
+               "--max-model-len", str(MAX_MODEL_LEN)]  # fmt: skip
+SMALL_HOST = "64MiB"  # 4 prefixes of 2048 tokens of the demo Llama (8 KiB per token)
+TRACE_TOKENS = 128  # tokens per hash id of the chat trace (its ids name 512-token blocks)
+CHAT_OUTPUT = 32  # tokens per reply in the chat workload
+CHAT_TIME_SCALE = 1 / 20  # the chat trace replayed 20 times faster than it was drawn
+BURST = 8  # requests in the burst, each on a prefix of its own
+
+# Client metrics: (vllm.benchmarks.serve's key, label, higher is better)
+METRICS = [
+    ("mean_ttft_ms", "TTFT mean", False),
+    ("median_ttft_ms", "TTFT median", False),
+    ("p99_ttft_ms", "TTFT p99", False),
+    ("median_itl_ms", "ITL median", False),
+    ("p99_itl_ms", "ITL p99", False),
+    ("median_tpot_ms", "TPOT median", False),
+    ("p99_tpot_ms", "TPOT p99", False),
+    ("output_throughput", "output tok/s", True),
+]
+UNITS = {"output_throughput": "tok/s"}
+CEILINGS = {"alone": "vLLM alone", "noop": "vLLM with a connector doing nothing",
+            "kvtier": "kvtier, the prefixes in its host pool"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One run of vLLM's client: its arguments, the servers it runs on, and the client
+    arguments of an untimed run before it (``prime``), if any."""
+
+    name: str
+    args: list[str]
+    servers: tuple[str, ...]
+    prime: list[str] | None = None
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """How a server of the benchmark is started (see the module docstring)."""
+
+    connector: str | None = None  # None, "noop" or "kvtier"
+    redis_only: bool = False  # kvtier's config without its disk tier
+    small_host: bool = False
+    staging: bool = True
+    restarted: bool = False  # served the workloads' primes, then restarted on its tiers
+
+
+SERVERS = {
+    "alone": ServerSpec(),
+    "noop": ServerSpec("noop"),
+    "kvtier": ServerSpec("kvtier"),
+    "kvtier disk": ServerSpec("kvtier", small_host=True),
+    "kvtier disk, no staging": ServerSpec("kvtier", small_host=True, staging=False),
+    "kvtier redis": ServerSpec("kvtier", redis_only=True, small_host=True),
+    "kvtier redis, no staging": ServerSpec("kvtier", True, True, staging=False),
+    "kvtier restarted": ServerSpec("kvtier", restarted=True),
+    "kvtier restarted, no staging": ServerSpec("kvtier", staging=False, restarted=True),
+    "kvtier redis restarted": ServerSpec("kvtier", redis_only=True, restarted=True),
+    "kvtier redis restarted, no staging": ServerSpec(
+        "kvtier", redis_only=True, staging=False, restarted=True
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Target:
+    """A condition a row must meet: ``server``'s ``metric`` on ``workload`` against
+    ``against``'s, as a ratio ``<=`` (or ``>=`` when higher is better) ``ratio``."""
+
+    workload: str
+    server: str
+    metric: str
+    ratio: float
+    against: str = "alone"
+
+    @property
+    def case(self) -> tuple[str, str, str]:
+        return self.workload, self.server, self.metric
+
+
+# The conditions the serving issue set: kvtier costs nothing on traffic that does not
+# reuse, gains 3x on TTFT where it does, and adds nothing to what any connector costs.
+TARGETS = [
+    Target("random", "kvtier", "median_itl_ms", 1.03),
+    Target("random", "kvtier", "output_throughput", 0.97),
+    Target("shared", "kvtier", "mean_ttft_ms", 1 / 3),
+    Target("shared", "kvtier", "median_itl_ms", 1.05),
+    *(Target(w, "kvtier", "median_itl_ms", 1.03, "noop") for w in ("random", "shared", "chat")),
+    *(Target("spill", s, "median_itl_ms", 1.03, "noop") for s in ("kvtier disk", "kvtier redis")),
+    # Staging: queued requests' disk and Redis hits are host hits by the time they run.
+    Target("burst", "kvtier restarted", "mean_ttft_ms", 1.2, "kvtier"),
+    Target("burst", "kvtier redis restarted", "mean_ttft_ms", 1.5, "kvtier"),
+    *(
+        Target(w, s, "mean_ttft_ms", 1 / 1.3, f"{s}, no staging")
+        for w, s in (
+            ("spill", "kvtier disk"),
+            ("spill", "kvtier redis"),
+            ("burst", "kvtier restarted"),
+            ("burst", "kvtier redis restarted"),
+        )
+    ),  # fmt: skip
+]
+
+
+@dataclass
+class Run:
+    """What one server did on one workload in one repeat."""
+
+    metrics: dict[str, float]
+    texts: list[str]
+    hooks: dict[str, tuple[float, float]] = field(default_factory=dict)  # calls, seconds
+
+
+def workloads(quick: bool, work: Path) -> list[Workload]:
+    """The workloads, smaller with ``quick``."""
+    n = 1 if quick else 2
+    kvtier = ("alone", "noop", "kvtier")
+    spill = ("alone", "noop", "kvtier disk", "kvtier redis")
+    if not quick:
+        spill += ("kvtier disk, no staging", "kvtier redis, no staging")
+    chat = work / "chat.jsonl"
+    lines = generate(WorkloadShape(duration_s=300, chat_rate=0.2, rag_rate=0, agent_rate=0,
+                                   oneoff_rate=0), seed=0)  # fmt: skip
+    for line in lines:  # replies short enough for a CPU, prompts within the model's length
+        line["output_length"] = min(line["output_length"], CHAT_OUTPUT)
+    fits = [x for x in lines if len(x["hash_ids"]) * TRACE_TOKENS + CHAT_OUTPUT <= MAX_MODEL_LEN]
+    write_trace(chat, fits)
+
+    def prefixes(num: int, per: int, output: int) -> list[str]:
+        return (
+            f"--dataset-name prefix_repetition --prefix-repetition-prefix-len 2048 "
+            f"--prefix-repetition-suffix-len 64 --prefix-repetition-num-prefixes {num} "
+            f"--prefix-repetition-output-len {output} --num-prompts {num * per}"
+        ).split()
+
+    random = "--dataset-name random --random-input-len 256 --random-output-len 128"
+    trace = f"--dataset-name timed_trace --dataset-path {chat}"
+    trace += f" --timed-trace-chunk-hash-size {TRACE_TOKENS}"
+    trace += f" --timed-trace-sec-multiplier {CHAT_TIME_SCALE / 1000}"  # the trace's ms, sped up
+    return [
+        Workload("random", f"{random} --num-prompts {12 * n} --max-concurrency 2".split(), kvtier),
+        Workload("shared", [*prefixes(8, 3 * n, 32), "--max-concurrency", "2"], kvtier),
+        Workload("chat", f"{trace} --num-prompts {24 * n} --max-concurrency 2".split(), kvtier),
+        Workload("spill", [*prefixes(12, 2 * n, 16), "--max-concurrency", "4"], spill),
+        *([] if quick else [burst(work)]),
+    ]
+
+
+def burst(work: Path) -> Workload:
+    """The ``burst`` workload: its prime and its burst, as traces of vLLM's
+    ``timed_trace`` dataset whose requests all arrive at once (ids of 128-token runs:
+    ``BURST`` 2k-token prefixes, a question of 24 tokens each)."""
+    first = 1 << 30  # ids of their own: the chat trace's tokens are drawn from ids too
+    prefixes = [list(range(first + 16 * i, first + 16 * i + 16)) for i in range(BURST + 3)]
+    question = itertools.count(first << 1)
+
+    def trace(name: str, prompts: list[list[int]]) -> list[str]:
+        path = work / f"burst-{name}.jsonl"
+        write_trace(path, [{"timestamp": 0, "input_length": 2048 + 24, "output_length": 4,
+                            "hash_ids": [*ids, next(question)]} for ids in prompts])  # fmt: skip
+        return (f"--dataset-name timed_trace --dataset-path {path} --timed-trace-chunk-hash-size "
+                f"{TRACE_TOKENS} --num-prompts {len(prompts)}").split()  # fmt: skip
+
+    # The prime ends with 3 prompts that fill vLLM's pool (48 blocks): the burst's
+    # prefixes are then only in kvtier's tiers.
+    prime = [*trace("prime", prefixes), "--max-concurrency", "1"]
+    servers = ("alone", "kvtier", "kvtier restarted", "kvtier restarted, no staging",
+               "kvtier redis restarted", "kvtier redis restarted, no staging")  # fmt: skip
+    return Workload("burst", trace("burst", prefixes[:BURST]), servers, prime)
+
+
+class Servers:
+    """Starts each server of the benchmark by name, each kvtier one on fresh tiers."""
+
+    def __init__(self, work: Path, redis_url: str | None, default_cores: bool) -> None:
+        self.work = work
+        self.redis_url = redis_url
+        self.env = {} if default_cores else dict(SMALL_MACHINE_CORES)
+        self.model = save_model(work / "model", DEMO_MODEL, DTYPE)
+        doc = yaml.safe_load(CONFIG.read_text())  # ${VARS} stay, the cache expands them
+        del doc["tiers"]["disk"]
+        doc["tiers"]["spill_order"] = ["redis"]
+        self.redis_only = work / "vllm-redis-only.yaml"
+        self.redis_only.write_text(yaml.safe_dump(doc))
+        self.prefixes: list[str] = []
+        self._started = 0
+
+    def names(self, workloads: list[Workload]) -> list[str]:
+        """Every server some workload runs on (Redis ones only with a Redis)."""
+        names = list(dict.fromkeys(s for w in workloads for s in w.servers))
+        return [s for s in names if not SERVERS[s].redis_only or self.redis_url]
+
+    def tiers(self) -> dict[str, str]:
+        """The environment of a kvtier server's own tiers: a new disk directory and
+        Redis key prefix."""
+        self.prefixes.append(f"kvtier-bench-serve-{uuid.uuid4().hex[:8]}")
+        cache = self.work / f"cache-{len(self.prefixes)}"
+        return {"KVTIER_CACHE_DIR": str(cache), "KVTIER_REDIS_PREFIX": self.prefixes[-1]}
+
+    @contextlib.contextmanager
+    def start(self, name: str, tiers: dict[str, str]) -> Iterator[VLLMServer]:
+        """Server ``name`` (``SERVERS``); a kvtier one on ``tiers``."""
+        spec = SERVERS[name]
+        self._started += 1
+        env = dict(self.env)
+        args = list(SERVER_ARGS)
+        config = None
+        if spec.connector == "noop":
+            env["PYTHONPATH"] = str(Path(__file__).parent)
+            transfer = kv_transfer_config(CONFIG, "_noop_connector", "NoOpConnector")
+            args += ["--kv-transfer-config", transfer]
+        elif spec.connector == "kvtier":
+            config = self.redis_only if spec.redis_only else CONFIG
+            env |= tiers
+            if self.redis_url:
+                env["KVTIER_REDIS_URL"] = self.redis_url
+            if spec.small_host:
+                env["KVTIER_CPU_CAPACITY"] = SMALL_HOST
+            if not spec.staging:
+                env["KVTIER_STAGE_SHARE"] = "0"
+        log = self.work / f"vllm-{self._started}-{name.replace(' ', '-').replace(',', '')}.log"
+        with VLLMServer(self.model, config, args, env=env, log_path=log) as server:
+            yield server
+
+    def clean(self) -> None:
+        """Delete the Redis keys the kvtier servers wrote."""
+        if not self.redis_url:
+            return
+        client = redis.Redis.from_url(self.redis_url)
+        try:
+            for prefix in self.prefixes:
+                keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+                for i in range(0, len(keys), 1000):
+                    client.unlink(*keys[i : i + 1000])
+        finally:
+            client.close()
+
+
+def drive(server: VLLMServer, workload: Workload, log: Path, prime: bool = False) -> Run:
+    """Run vLLM's serving client on ``server`` (its output goes to ``log``): the
+    workload, or its ``prime``."""
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.benchmarks.serve import main as serve
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args([
+        "--base-url", server.url, "--model", server.model, "--temperature", "0",
+        "--seed", "0", "--save-detailed", "--disable-tqdm",
+        "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
+        *(workload.prime if prime else workload.args),
+    ])  # fmt: skip
+    before = server.metrics()
+    with open(log, "a") as out, contextlib.redirect_stdout(out):
+        result = serve(args)
+    after = server.metrics()
+    if result["completed"] != len(result["generated_texts"]) or result["completed"] == 0:
+        raise SystemExit(f"{workload.name}: {result['completed']} requests completed; see {log}")
+    metrics = {key: float(result[key]) for key, _, _ in METRICS}
+    return Run(metrics, list(result["generated_texts"]), hook_costs(before, after))
+
+
+def hook_costs(before: dict[str, float], after: dict[str, float]) -> dict[str, tuple[float, float]]:
+    """Per hook: (calls, seconds) between two reads of vLLM's ``/metrics``."""
+    out: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for name, value in after.items():
+        found = re.match(r'vllm:kvtier_hook_(calls|seconds)_total\{.*hook="([^"]+)"', name)
+        if found:
+            what, hook = found.groups()
+            out[hook][what == "seconds"] += value - before.get(name, 0.0)
+    return {hook: (calls, seconds) for hook, (calls, seconds) in out.items()}
+
+
+def run(args: Any) -> tuple[list[Result], dict[str, Any]]:
+    """Every repeat of every server on its workloads; the rows and the details."""
+    work = Path(tempfile.mkdtemp(prefix="kvtier-bench-serve-"))
+    redis_url = bench_redis_url()
+    servers = Servers(work, redis_url, args.vllm_default_cores)
+    plan = [w for w in workloads(args.quick, work) if w.name in (args.workloads or [w.name])]
+    names = servers.names(plan)
+    repeats = args.repeats or (1 if args.quick else 3)
+    runs: dict[tuple[str, str], list[Run]] = defaultdict(list)
+    order = [(r, names if r % 2 == 0 else names[::-1]) for r in range(repeats)]
+    steps = [(r, name) for r, names_r in order for name in names_r]
+    try:
+        for r, name in progress(steps, desc="servers"):
+            mine = [w for w in plan if name in w.servers]
+            log, tiers = work / f"client-{r}.log", servers.tiers()
+            if SERVERS[name].restarted:
+                with servers.start(name, tiers) as server:
+                    for workload in (w for w in mine if w.prime):
+                        drive(server, workload, log, prime=True)
+            with servers.start(name, tiers) as server:
+                for workload in mine:
+                    if workload.prime and not SERVERS[name].restarted:
+                        drive(server, workload, log, prime=True)
+                    runs[workload.name, name].append(drive(server, workload, log))
+    finally:
+        servers.clean()
+    print(f"work directory (server logs, client output): {work}")
+    return rows(plan, names, runs), details(plan, names, runs)
+
+
+def rows(plan: list[Workload], names: list[str], runs: dict) -> list[Result]:
+    """One row per workload, server and metric: the median over the repeats, as a ratio
+    to vLLM alone's (or to the target's reference where a target names another)."""
+    out = []
+    for workload in plan:
+        ran = [s for s in workload.servers if s in names]
+        for name in ran:
+            for key, label, higher in METRICS:
+                mine = [run.metrics[key] for run in runs[workload.name, name]]
+                case = (workload.name, name, key)
+                targets = {t.against: t.ratio for t in TARGETS if t.case == case}
+                against = [a for a in ("alone", *targets) if a != name and a in ran]
+                if name == "alone":
+                    out.append(Result(f"{workload.name}: alone {label}", label,
+                                      UNITS.get(key, "ms"), *summarize(mine),
+                                      higher_is_better=higher))  # fmt: skip
+                for other in dict.fromkeys(against):
+                    theirs = [run.metrics[key] for run in runs[workload.name, other]]
+                    out.append(Result(
+                        f"{workload.name}: {name} {label}, vs {other}", label,
+                        UNITS.get(key, "ms"), *summarize(mine),
+                        ceiling=statistics.median(theirs), ceiling_what=CEILINGS.get(other, other),
+                        target=targets.get(other), higher_is_better=higher,
+                    ))  # fmt: skip
+    return out
+
+
+def details(plan: list[Workload], names: list[str], runs: dict) -> dict[str, Any]:
+    """Replies equal to vLLM alone's, hook costs per step, and every run's figures."""
+    replies: dict[str, dict[str, list[int]]] = {}
+    hooks: dict[str, dict[str, dict[str, float]]] = {}
+    for workload in plan:
+        alone = runs[workload.name, "alone"]
+        for name in (s for s in workload.servers if s in names and s != "alone"):
+            mine = runs[workload.name, name]
+            equal = sum(a == b for x, y in zip(alone, mine) for a, b in zip(x.texts, y.texts))
+            total = sum(len(x.texts) for x in mine)
+            replies.setdefault(workload.name, {})[name] = [equal, total]
+            if name.startswith("kvtier"):
+                hooks[f"{workload.name}: {name}"] = per_step(mine)
+        if len(alone) > 1:  # the same server twice: how far batching alone moves replies
+            first, *others = alone
+            same = sum(a == b for x in others for a, b in zip(first.texts, x.texts))
+            replies[workload.name]["alone, repeat vs repeat"] = [
+                same, sum(len(x.texts) for x in others)]  # fmt: skip
+    figures = {f"{w} | {s}": [r.metrics for r in got] for (w, s), got in runs.items()}
+    return {"replies_equal": replies, "hook_us_per_step": hooks, "runs": figures}
+
+
+def per_step(runs: list[Run]) -> dict[str, float]:
+    """Each hook's µs per engine step (a step: one ``build_connector_meta`` call),
+    summed over the runs, and each side's total."""
+    calls: dict[str, float] = defaultdict(float)
+    seconds: dict[str, float] = defaultdict(float)
+    for run in runs:
+        for hook, (n, s) in run.hooks.items():
+            calls[hook] += n
+            seconds[hook] += s
+    steps = calls.get("build_connector_meta") or 1.0
+    out = {hook: seconds[hook] / steps * 1e6 for hook in (*SCHEDULER_HOOKS, *WORKER_HOOKS)}
+    out["scheduler total"] = sum(out[h] for h in SCHEDULER_HOOKS)
+    out["worker total"] = sum(out[h] for h in WORKER_HOOKS)
+    out["steps"] = steps
+    return out
+
+
+def print_details(details: dict[str, Any]) -> None:
+    """The replies compared and the hook costs, as tables."""
+    print("\ngreedy replies equal to vLLM alone's (same repeat), equal/compared:")
+    for workload, by_server in details["replies_equal"].items():
+        cells = ", ".join(f"{s} {e}/{n}" for s, (e, n) in by_server.items())
+        print(f"  {workload}: {cells}")
+    hooks = details["hook_us_per_step"]
+    if not hooks:
+        return
+    print("\nkvtier connector hooks, µs per engine step (side: S scheduler, W worker):")
+    columns = list(hooks)
+    names = [*SCHEDULER_HOOKS, "scheduler total", *WORKER_HOOKS, "worker total", "steps"]
+    width = max(map(len, names)) + 4
+    print(" " * width + "".join(f"{c:>22}" for c in columns))
+    for name in names:
+        side = "S " if name in SCHEDULER_HOOKS else "W " if name in WORKER_HOOKS else "  "
+        cells = "".join(f"{hooks[c][name]:>22.1f}" for c in columns)
+        print(f"{side}{name:<{width - 2}}{cells}")
+
+
+def main() -> int:
+    parser = standard_args(__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, help="times each server runs (default 3; 1 quick)")
+    parser.add_argument("--workloads", nargs="+", metavar="NAME", help="run only these "
+                        "workloads (random shared chat spill burst; default: all)")  # fmt: skip
+    parser.add_argument(
+        "--vllm-default-cores", action="store_true",
+        help="leave VLLM_CPU_NUM_OF_RESERVED_CPU unset (vLLM's own core reservation)",
+    )  # fmt: skip
+    args = parser.parse_args()
+    results, extra = run(args)
+    cores = "vLLM's default" if args.vllm_default_cores else "VLLM_CPU_NUM_OF_RESERVED_CPU=1"
+    print(f"vLLM serving, demo Llama {DTYPE}, vLLM's client (greedy), cores: {cores}")
+    print_table(results)
+    print_details(extra)
+    if args.out:
+        write_json(args.out, BENCHMARK, results, machine_info(), {"cores": cores, **extra})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
