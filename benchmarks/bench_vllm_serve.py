@@ -465,10 +465,11 @@ def print_details(details: dict[str, Any]) -> None:
     columns = list(hooks)
     names = [*SCHEDULER_HOOKS, "scheduler total", *WORKER_HOOKS, "worker total", "steps"]
     width = max(map(len, names)) + 4
-    print(" " * width + "".join(f"{c:>22}" for c in columns))
+    cols = [max(10, len(c)) + 2 for c in columns]
+    print(" " * width + "".join(f"{c:>{w}}" for c, w in zip(columns, cols)))
     for name in names:
         side = "S " if name in SCHEDULER_HOOKS else "W " if name in WORKER_HOOKS else "  "
-        cells = "".join(f"{hooks[c][name]:>22.1f}" for c in columns)
+        cells = "".join(f"{hooks[c][name]:>{w}.1f}" for c, w in zip(columns, cols))
         print(f"{side}{name:<{width - 2}}{cells}")
 
 
