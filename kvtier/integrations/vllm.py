@@ -623,7 +623,9 @@ class KVTierConnector(KVConnectorBase_V1):
                 stage = self._guarded("build_connector_meta", self._stage_spec, state)
                 stages += [stage] if stage is not None else []
         self._unscheduled.clear()
-        meta = KVTierMetadata(self._loads, [], self._reset, idle, stages, self._unstaged)
+        meta = KVTierMetadata(
+            loads=self._loads, reset=self._reset, idle=idle, stages=stages, unstaged=self._unstaged
+        )
         self._loads, self._reset, self._unstaged = [], False, []
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(req_id)
