@@ -605,7 +605,8 @@ class ConnectorCache:
         a new key space anyway), unless a load, a copy or a write-through encode holds
         some: then they age out. The spill tiers are shared and keep their values."""
         with self._lock:
-            self.host.reset()
+            if self.host.reset():  # no eviction hook: staged blocks are gone unused
+                self._staged_unused.clear()
 
     # ------------------------------------------------------------------ misc
     def counters(self) -> CacheStats:

@@ -534,6 +534,20 @@ def test_staged_blocks_take_at_most_the_stage_share_of_the_host_pool(tiny_model,
     assert _staged(engine) == [4]
 
 
+def test_blocks_staged_before_a_reset_no_longer_count_against_the_share(
+    tiny_model, engines, tmp_path
+):
+    first, second = _hashes(27, 4), _hashes(28, 4)
+    _on_disk(tiny_model, engines, _disk(tmp_path), first)
+    _on_disk(tiny_model, engines, _disk(tmp_path), second)
+    engine = engines(tiny_model, _disk(tmp_path, host="256KiB", stage_share=0.25))
+    engine.arrive(_request("r", first))
+    assert _staged(engine) == [4]  # the whole share, unused
+    engine.workers[0].cache.reset()
+    engine.arrive(_request("s", second))
+    assert _staged(engine) == [8]
+
+
 def test_no_stage_is_made_with_a_stage_share_of_zero(tiny_model, engines, tmp_path):
     chain = _hashes(24, 4)
     _on_disk(tiny_model, engines, _disk(tmp_path), chain)
