@@ -216,10 +216,14 @@ def redis_reachable(url: str) -> bool:
 
 
 def delete_prefix(url: str, prefix: str) -> None:
+    """Delete every key under ``prefix`` (in batches: a benchmark's can be many)."""
     client = redis.Redis.from_url(url)
-    keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
-    if keys:
-        client.delete(*keys)
+    try:
+        keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+        for i in range(0, len(keys), 1000):
+            client.unlink(*keys[i : i + 1000])
+    finally:
+        client.close()
 
 
 def _stage(values: list) -> None:

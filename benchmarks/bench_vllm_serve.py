@@ -64,10 +64,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import redis
 import yaml
 from _report import Result, machine_info, print_table, standard_args, summarize, write_json
-from _ttft import bench_redis_url
+from _ttft import bench_redis_url, delete_prefix
 
 from kvtier.demo import DEMO_MODEL
 from kvtier.integrations.vllm_engine import save_model
@@ -308,16 +307,8 @@ class Servers:
 
     def clean(self) -> None:
         """Delete the Redis keys the kvtier servers wrote."""
-        if not self.redis_url:
-            return
-        client = redis.Redis.from_url(self.redis_url)
-        try:
-            for prefix in self.prefixes:
-                keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
-                for i in range(0, len(keys), 1000):
-                    client.unlink(*keys[i : i + 1000])
-        finally:
-            client.close()
+        for prefix in self.prefixes if self.redis_url else ():
+            delete_prefix(self.redis_url, prefix)
 
 
 def drive(server: VLLMServer, workload: Workload, log: Path, prime: bool = False) -> Run:
