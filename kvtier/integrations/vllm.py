@@ -473,8 +473,7 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def _start_load(self, spec: LoadSpec) -> bool:
         cache = self.cache
-        keys = cache.keys(spec.keys)
-        parent = cache.keys([spec.parent])[0] if spec.parent is not None else cache.root
+        keys, parent = self._shard_chain(spec.keys, spec.parent)
         cache.pin(spec.req_id, keys, parent, spec.hit, spec.block_ids)
         try:
             cache.load(spec.req_id)
@@ -484,10 +483,16 @@ class KVTierConnector(KVConnectorBase_V1):
         return True
 
     def _stage(self, spec: StageSpec) -> None:
+        keys, parent = self._shard_chain(spec.keys, spec.parent)
+        self.cache.stage(spec.req_id, keys, parent, spec.hit)
+
+    def _shard_chain(self, keys: list[bytes], parent: bytes | None) -> tuple[list[bytes], bytes]:
+        """This shard's keys of base ``keys``, and of ``parent`` (the root for block 0)."""
         cache = self.cache
-        keys = cache.keys(spec.keys)
-        parent = cache.keys([spec.parent])[0] if spec.parent is not None else cache.root
-        cache.stage(spec.req_id, keys, parent, spec.hit)
+        if parent is None:
+            return cache.keys(keys), cache.root
+        *shard, parent_key = cache.keys([*keys, parent])
+        return shard, parent_key
 
     def _fail_load(self, spec: LoadSpec) -> None:
         """Report every block of ``spec`` as not loaded; an async load is over."""
@@ -496,10 +501,8 @@ class KVTierConnector(KVConnectorBase_V1):
             self._recving.add(spec.req_id)
 
     def _save(self, spec: SaveSpec) -> None:
-        cache = self.cache
-        keys = cache.keys(spec.keys)
-        parent = cache.keys([spec.parent])[0] if spec.parent is not None else cache.root
-        cache.save(spec.block_ids, keys, parent, spec.start)
+        keys, parent = self._shard_chain(spec.keys, spec.parent)
+        self.cache.save(spec.block_ids, keys, parent, spec.start)
 
     def _collect_loads(self) -> None:
         """Settle the loads that are over: async ones go to ``_recving`` (for the next
