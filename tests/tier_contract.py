@@ -177,6 +177,18 @@ class TierContract:
         assert tier.put_many([(keys[0], b"again")]) == 1  # usable after clear
         assert tier.usage().nbytes == 5
 
+    def test_records_live_beside_the_values_and_outlive_clear(self, tier: SpillTier) -> None:
+        key = make_key("rec")
+        tier.put_many([(key, b"value")])
+        tier.put_record("ns/shard 0", b"first")
+        tier.put_record("ns/shard 0", b"second")  # replaces
+        tier.put_record("ns/shard 1", b"\x00\xff")
+        assert tier.records() == {"ns/shard 0": b"second", "ns/shard 1": b"\x00\xff"}
+        assert list(tier.keys()) == [key]
+        assert (tier.usage().entries, tier.usage().nbytes) == (1, 5)
+        assert tier.clear() == 1
+        assert set(tier.records()) == {"ns/shard 0", "ns/shard 1"}
+
     # --- opaque values -------------------------------------------------------------
 
     def test_values_are_never_interpreted(self, tier: SpillTier) -> None:

@@ -109,5 +109,16 @@ class SpillTier(ABC):
         """What the tier holds now."""
 
     @abstractmethod
+    def put_record(self, name: str, value: bytes) -> None:
+        """Store a small record under ``name`` beside the values, replacing one of that
+        name. A record is no value: ``keys``, ``usage``, the eviction order and expiry
+        never see it, and ``clear`` keeps it. Records say what the store's namespaces
+        are (``kvtier.namespaces``)."""
+
+    @abstractmethod
+    def records(self) -> dict[str, bytes]:
+        """Every record of the store by name, whichever namespace wrote it."""
+
+    @abstractmethod
     def close(self) -> None:
         """Release connections and handles; the tier is unusable afterwards."""

@@ -13,6 +13,7 @@ database   key                             value
 ``meta``   ``b"version"``                  schema version (8 bytes, now 3)
            ``b"nbytes"``                   total bytes of all values in ``data``
            ``b"seq"``                      the next sequence number
+``records`` record name (text)             a record (``SpillTier.put_record``)
 =========  ==============================  ===========================================
 
 and the eviction order's (``lmdb_order``): ``atime`` (key -> sequence number of its
@@ -22,7 +23,9 @@ oldest) and the reuse policy's ghost lists. Every key in ``data`` has exactly on
 the ``data`` values. Every method keeps these invariants inside a single transaction,
 so they hold in every committed state; the number of entries is ``data``'s B-tree
 count (no separate counter). Version 1 (before ``protected`` and the ghosts) is read
-as version 2 and becomes it.
+as version 2 and becomes it. ``records`` is outside all of that (``clear`` keeps it);
+a store without it (written before it existed) gets an empty one on open, with no
+change of version.
 
 ``sizes`` exists because py-lmdb touches every page of a value it returns (it faults
 them in outside the GIL): asking for a value just to learn its length reads the whole
@@ -157,7 +160,7 @@ ENV_OPTIONS: dict[str, object] = {
     # Values are whole chunks, read whole: the kernel's read-around turns reading a value
     # that is not in the page cache into a few large reads instead of one per page.
     "readahead": True,
-    "max_dbs": 8,
+    "max_dbs": 16,
     "max_readers": MAX_READERS,
     "max_spare_txns": 8,
 }
@@ -348,6 +351,7 @@ class LMDBTier(SpillTier):
             self._data = env.open_db(b"data", txn=txn)
             self._sizes = env.open_db(b"sizes", txn=txn)
             self._meta = env.open_db(b"meta", txn=txn)
+            self._records = env.open_db(b"records", txn=txn)
             version = txn.get(_VERSION, db=self._meta)
             if version is None:
                 if not fresh:
@@ -770,3 +774,13 @@ class LMDBTier(SpillTier):
             return TierUsage(entries, _int(txn.get(_NBYTES, db=self._meta)), self.capacity)
 
         return self._run(usage, write=False)
+
+    def put_record(self, name: str, value: bytes) -> None:
+        self._run(lambda txn: txn.put(name.encode(), value, db=self._records), write=True)
+
+    def records(self) -> dict[str, bytes]:
+        def read(txn: lmdb.Transaction) -> dict[str, bytes]:
+            with txn.cursor(db=self._records) as cur:
+                return {bytes(k).decode(errors="replace"): bytes(v) for k, v in cur}
+
+        return self._run(read, write=False)

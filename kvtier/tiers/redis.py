@@ -10,6 +10,11 @@ Key schema
     listing and clearing, not for correctness. Neither part may contain ``{`` or
     ``}``: a hash tag would pin every key to one cluster slot.
 
+    Records (``put_record``: what each namespace is, ``kvtier.namespaces``) are the
+    fields of one hash, ``<key_prefix>:records``, shared by every namespace under the
+    prefix: one HSET to write one, one HGETALL to read them all. It has no expiry and
+    no namespace walk (``keys``, ``clear``, ``usage``) sees it.
+
 One key per chunk
     A value (msgpack header and block payload together, opaque to this tier) is one
     Redis string, written by one SET. A chunk is therefore either wholly present or
@@ -227,6 +232,7 @@ class RedisTier(SpillTier):
         self._ttl_ms = _ttl_ms(ttl)
         self._prefix = f"{key_prefix}:{namespace}:".encode()
         self._match = _glob_escape(self._prefix) + b"*"
+        self._records = f"{key_prefix}:records".encode()
         self._lock = threading.Lock()
         self._closed = False
         self._sizes_by_script = not self.is_cluster  # until the server refuses the script
@@ -420,6 +426,13 @@ class RedisTier(SpillTier):
                 entries += len(results)
                 nbytes += sum(int(r) for r in results)
         return TierUsage(entries=entries, nbytes=nbytes, capacity=None)
+
+    def put_record(self, name: str, value: bytes) -> None:
+        self._batch(lambda pipe: [pipe.hset(self._records, name, value)])
+
+    def records(self) -> dict[str, bytes]:
+        [fields] = self._batch(lambda pipe: [pipe.hgetall(self._records)])
+        return {bytes(k).decode(errors="replace"): bytes(v) for k, v in fields.items()}
 
     def close(self) -> None:
         if self._closed:

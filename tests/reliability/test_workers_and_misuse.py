@@ -124,6 +124,12 @@ class FaultyTier(SpillTier):
     def usage(self) -> TierUsage:
         return self.inner.usage()
 
+    def put_record(self, name: str, value: bytes) -> None:
+        self.inner.put_record(name, value)
+
+    def records(self) -> dict[str, bytes]:
+        return self.inner.records()
+
     def close(self) -> None:
         self.inner.close()
 
