@@ -26,7 +26,7 @@ Events, with their fields besides ``t``, ``pid``, ``event`` and ``req``:
 - ``stage`` (worker, once settled): as ``load``, for a stage (no engine blocks, so
   nothing is copied up): its blocks are in the host pool from ``read`` on.
 - ``lookup`` with ``waiting``: the scheduler asked the engine to come back once the
-  request's stage is over.
+  request's stage is over (no lookup was made).
 - ``load_reported`` (worker): the engine was told the async load is over.
 - ``load_over`` (scheduler): every worker has reported it.
 - ``compute`` (scheduler): the engine computes the request's first tokens after its

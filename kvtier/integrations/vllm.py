@@ -560,21 +560,19 @@ class KVTierConnector(KVConnectorBase_V1):
         hit."""
         state = self._state(request)
         state.hit, state.asynchronous, state.looked_up = None, False, True
+        if state.staging and time.monotonic() - state.staged_at < STAGE_PATIENCE:
+            # Its stage is reading the spill part of its hit: vLLM asks again next step
+            # (a lookup now would only find that part still below the host pools, and
+            # vLLM asks for every waiting request in every step), never read it twice.
+            if self.trace:
+                self.trace.event("lookup", request.request_id, waiting=True)
+            return None, False
         start = time.time()
         hit = self._guarded("get_num_new_matched_tokens", self._match, state, num_computed_tokens)
-        waiting = bool(
-            hit is not None
-            and hit.spill
-            and state.staging
-            and time.monotonic() - state.staged_at < STAGE_PATIENCE
-        )  # its stage is reading that part: vLLM asks again next step, never read twice
         if self.trace:
             blocks = hit.blocks_per_tier() if hit else {}
             seconds = time.time() - start
-            self.trace.event("lookup", request.request_id, start, seconds=seconds,
-                             blocks=blocks, waiting=waiting)  # fmt: skip
-        if waiting:
-            return None, False
+            self.trace.event("lookup", request.request_id, start, seconds=seconds, blocks=blocks)
         if hit is None or not hit.num_blocks:
             return 0, False
         state.hit, state.asynchronous = hit, bool(hit.spill)

@@ -512,6 +512,25 @@ def test_a_request_scheduled_while_its_stage_reads_waits_for_it_and_nothing_is_r
     assert engine.workers[0].cache.counters()["disk"].blocks_out == 4  # read once
 
 
+def test_a_request_whose_stage_reads_is_not_looked_up_again_while_it_waits(
+    tiny_model, engines, tmp_path, monkeypatch
+):
+    chain = _hashes(25, 4)
+    _on_disk(tiny_model, engines, _disk(tmp_path), chain)
+    engine = engines(tiny_model, {**_disk(tmp_path), "transfer": {"io_threads": 1}})
+    gate = threading.Event()
+    engine.workers[0].cache.transfer.submit(gate.wait, 30)  # the only I/O worker is busy
+    request = _request("r", chain)
+    engine.arrive(request)
+    lookups = []
+    lookup = engine.scheduler.index.lookup
+    monkeypatch.setattr(engine.scheduler.index, "lookup", lambda *a: lookups.append(a) or lookup(*a))
+    for _ in range(3):  # vLLM asks each step while the request waits
+        assert engine.scheduler.get_num_new_matched_tokens(request, 0) == (None, False)
+    gate.set()
+    assert lookups == []
+
+
 def test_a_request_scheduled_in_the_step_it_arrives_is_loaded_not_staged(
     tiny_model, engines, tmp_path
 ):
