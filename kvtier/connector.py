@@ -25,7 +25,9 @@ Each shard stores a block under its own key ``H(shard root || base key)``: the s
 root names the worker's KV tensor layout (``EngineKV.describe``) and its rank in the
 tensor- and pipeline-parallel world, so ranks, TP sizes and layouts never share a
 value, and bytes are only ever read back into the layout that wrote them. Workers
-tell the scheduler their shard once at start-up (``ShardSpec``).
+tell the scheduler their shard once at start-up (``ShardSpec``), and record it (its
+namespace, model name and layout) in each spill tier they open, for ``kvtier stats``,
+``inspect`` and ``clear`` (``kvtier.namespaces``).
 
 Promises. A hit counts only blocks that every shard can load. The index can be stale
 (a block evicted after the last report): a worker then reports the blocks it could not
@@ -61,6 +63,7 @@ from kvtier.hashing import HASH_NBYTES, get_digest, namespace_root
 from kvtier.host_tiers import HostTiers
 from kvtier.layout import KVLayout
 from kvtier.metrics import CacheStats
+from kvtier.namespaces import NamespaceRecord, record_namespace
 from kvtier.spill import (
     LoadResult,
     SpillRun,
@@ -399,6 +402,8 @@ class ConnectorCache:
             self.below.transfer,
         )
         _open_in_process[self._namespace] = self.spill.tiers if self.spill else []
+        record = NamespaceRecord(self._namespace, name, shard, layout, time.time())
+        record_namespace(_open_in_process[self._namespace], record)
         self.host.on_evict = self._on_host_evict
         self._host_view = kv.host_view(self.host.slab)
         self._stats = CacheStats(self.below.tier_stats())
