@@ -17,13 +17,14 @@ from pathlib import Path
 
 from kvtier import admin
 from kvtier.cache import TieredCache
-from kvtier.chunk import ChunkCodec
 from kvtier.config import SPILL_TIERS, ConfigError, KVTierConfig, default_config, load_config
 from kvtier.eviction import POLICIES, policies_of, with_policy
+from kvtier.layout import KVLayout
+from kvtier.namespaces import NamespaceRecord
 from kvtier.plot import PlotUnavailable, plot_replay, pyplot
 from kvtier.progress import progress
 from kvtier.replay import optimal_hits, read_trace, replay, sized_to_shares
-from kvtier.tiers.base import TierError
+from kvtier.tiers.base import SpillTier, TierError
 from kvtier.tracegen import WorkloadShape, generate, write_trace
 from kvtier.workloads import ChatShape
 
@@ -182,11 +183,12 @@ def _config(path: str | None) -> KVTierConfig:
 
 
 def tier_stats(args: argparse.Namespace) -> int:
-    """Print what each configured spill tier holds; 1 if one could not be reached."""
+    """Print what each configured spill tier holds (Redis per namespace) and what its
+    namespaces are; 1 if a tier could not be reached."""
     config = _config(args.config)
-    reports = [admin.report(config, name) for name in admin.configured_tiers(config)]
+    reports = admin.reports(config, admin.configured_tiers(config), args.namespace)
     if args.json:
-        print(json.dumps([asdict(r) for r in reports], indent=2))
+        print(json.dumps([r.as_json() for r in reports], indent=2))
     elif not reports:
         print("no spill tiers are configured (tiers.disk, tiers.redis)")
     else:
@@ -201,55 +203,127 @@ def tier_stats(args: argparse.Namespace) -> int:
             print(
                 f"{r.tier:>6} {u.entries:>9} {_size(u.nbytes):>11} {capacity:>11} {used}  {r.where}"
             )
+        _print_records(reports)
     return 1 if any(r.error for r in reports) else 0
 
 
+def _print_records(reports: Sequence[admin.TierReport]) -> None:
+    """One line per namespace record of ``reports``: namespace, engine, shard, layout and
+    the tiers that keep it."""
+    records: dict[str, NamespaceRecord] = {}
+    kept_in: dict[str, list[str]] = {}
+    for r in reports:
+        for record in r.records:
+            records.setdefault(record.name, record)
+            kept_in.setdefault(record.name, []).append(r.tier)
+    if records:
+        print("namespaces, as each engine shard recorded itself when it opened the tiers:")
+    for name, rec in sorted(records.items()):
+        print(
+            f"  {rec.namespace}  {rec.engine}  shard {rec.shard}  {rec.layout.describe()}  "
+            f"(in {', '.join(kept_in[name])})"
+        )
+
+
+# Why --namespace cannot pick out the disk tier's values.
+_DISK_IS_ONE_STORE = (
+    "the disk tier keeps every namespace's values in one store, under keys that do not "
+    "name the namespace: inspect or clear it whole (without --namespace)"
+)
+
+
 def inspect_tier(args: argparse.Namespace) -> int:
-    """List the first chunks of one spill tier: key, blocks, position, bytes, check."""
+    """List the first chunks of one spill tier (Redis: of each namespace, or of
+    ``--namespace``): key, blocks, position, bytes, check."""
     config = _config(args.config)
     [name] = admin.configured_tiers(config, [args.tier])
-    codec = ChunkCodec(admin.require_layout(config))
-    with admin.open_tier(config, name) as tier:
-        if tier is None:
-            print(f"{name}: no store at {admin.where(config, name)} yet")
-            return 0
-        usage = tier.usage()
-        print(
-            f"{name} ({admin.where(config, name)}): {usage.entries} chunks, "
-            f"{_size(usage.nbytes)}; the first {min(args.limit, usage.entries)}:"
-        )
-        print(f"{'key':<32} {'blocks':>6} {'first':>7} {'bytes':>11}  check")
-        bad = 0
-        for c in admin.list_chunks(tier, codec, args.limit):
-            blocks = "-" if c.num_blocks is None else c.num_blocks
-            first = "-" if c.first_position is None else c.first_position
-            bad += c.problem is not None
-            check = c.problem or "ok"
-            print(f"{c.key:<32} {blocks:>6} {first:>7} {_size(c.nbytes):>11}  {check}")
+    bad = 0
+    if name == "disk":
+        if args.namespace:
+            raise UsageError(f"--namespace: {_DISK_IS_ONE_STORE}")
+        with admin.open_tier(config, name) as tier:
+            if tier is None:
+                print(f"{name}: no store at {admin.where(config, name)} yet")
+                return 0
+            namespaces = admin.store_namespaces(config, tier)
+            layouts = [layout for ns in namespaces for layout in ns.layouts]
+            bad = _list_chunks(tier, f"{name} ({admin.where(config, name)})", layouts, args.limit)
+    else:
+        namespaces = admin.tier_namespaces(config, name)
+        admin.check_namespace(args.namespace, namespaces)
+        if not namespaces:
+            print(f"{name}: no namespace is recorded at {admin.where(config, name)}")
+        for ns in namespaces:
+            if args.namespace in (None, ns.name):
+                with admin.open_tier(config, name, ns.name) as tier:
+                    title = f"{name} ({admin.where(config, name, ns.name)})"
+                    bad += _list_chunks(tier, title, ns.layouts, args.limit)
     if bad:
         print(f"{bad} bad values (a cache that reads one deletes it and counts it as rejected)")
     return 0
 
 
+def _list_chunks(tier: SpillTier, title: str, layouts: Sequence[KVLayout], limit: int) -> int:
+    """Print ``tier``'s first ``limit`` chunks, each checked against the one of ``layouts``
+    its header names; returns how many are bad."""
+    usage = tier.usage()
+    print(
+        f"{title}: {usage.entries} chunks, {_size(usage.nbytes)}; "
+        f"the first {min(limit, usage.entries)}:"
+    )
+    if not usage.entries:
+        return 0
+    print(f"{'key':<32} {'blocks':>6} {'first':>7} {'bytes':>11}  check")
+    bad = 0
+    with admin.codecs_for(layouts) as codecs:
+        for c in admin.list_chunks(tier, codecs, limit):
+            blocks = "-" if c.num_blocks is None else c.num_blocks
+            first = "-" if c.first_position is None else c.first_position
+            bad += c.problem is not None
+            check = c.problem or "ok"
+            print(f"{c.key:<32} {blocks:>6} {first:>7} {_size(c.nbytes):>11}  {check}")
+    return bad
+
+
 def clear_tiers(args: argparse.Namespace) -> int:
-    """Delete every value of the configured spill tiers (or of ``--tier``), after asking."""
+    """Delete every value of the configured spill tiers (or of ``--tier``; in Redis, of
+    each recorded namespace, or of ``--namespace`` only), after asking. The namespace
+    records stay."""
     config = _config(args.config)
     names = admin.configured_tiers(config, [args.tier] if args.tier else None)
     if not names:
         print("no spill tiers are configured (tiers.disk, tiers.redis): nothing to clear")
         return 0
-    targets = "; ".join(f"{n} at {admin.where(config, n)}" for n in names)
+    if args.namespace and args.tier == "disk":
+        raise UsageError(f"--namespace: {_DISK_IS_ONE_STORE}")
+    targets: list[tuple[str, str | None]] = []  # (tier, Redis namespace)
+    for name in names:
+        if name == "disk":
+            if args.namespace:
+                print(f"disk: kept: {_DISK_IS_ONE_STORE}")
+            else:
+                targets.append((name, None))
+            continue
+        namespaces = admin.tier_namespaces(config, name)
+        admin.check_namespace(args.namespace, namespaces)
+        if not namespaces:
+            print(f"{name}: no namespace is recorded at {admin.where(config, name)}")
+        targets += [(name, ns.name) for ns in namespaces if args.namespace in (None, ns.name)]
+    if not targets:
+        return 0
+    where = "; ".join(f"{n} at {admin.where(config, n, ns)}" for n, ns in targets)
     if not args.yes:
         if not sys.stdin.isatty():
             raise UsageError("clear: stdin is not a terminal to confirm on; pass --yes")
-        answer = input(f"Delete every kvtier value in {targets}? [y/N] ")
+        answer = input(f"Delete every kvtier value in {where}? [y/N] ")
         if answer.strip().lower() not in ("y", "yes"):
             print("nothing deleted")
             return 1
-    for name in names:
-        with admin.open_tier(config, name) as tier:
+    for name, namespace in targets:
+        with admin.open_tier(config, name, namespace) as tier:
             removed = tier.clear() if tier is not None else 0
-        print(f"{name}: deleted {removed} values")
+        of = f" of namespace {namespace}" if namespace else ""
+        print(f"{name}: deleted {removed} values{of}")
     return 0
 
 
@@ -312,9 +386,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     w.set_defaults(func=make_workload)
     config_help = "YAML config (default: the embedded default)"
+    namespace_help = "only this key namespace (as stats lists them; default: every one)"
     s = sub.add_parser("stats", help="what each configured spill tier holds")
     s.add_argument("--config", help=config_help)
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    s.add_argument("--namespace", help=namespace_help)
     s.set_defaults(func=tier_stats)
     i = sub.add_parser(
         "inspect",
@@ -323,10 +399,12 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--config", help=config_help)
     i.add_argument("--tier", required=True, choices=SPILL_TIERS)
     i.add_argument("--limit", type=_positive_int, default=20, help="chunks to show (default 20)")
+    i.add_argument("--namespace", help=f"Redis: {namespace_help}")
     i.set_defaults(func=inspect_tier)
     c = sub.add_parser("clear", help="delete every value in the configured spill tiers")
     c.add_argument("--config", help=config_help)
     c.add_argument("--tier", choices=SPILL_TIERS, help="only this tier (default: all)")
+    c.add_argument("--namespace", help=f"Redis: {namespace_help}")
     c.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     c.set_defaults(func=clear_tiers)
     return parser
@@ -371,7 +449,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"kvtier: config error: {e}", file=sys.stderr)
         return 2
-    except (UsageError, PlotUnavailable) as e:
+    except (UsageError, PlotUnavailable, admin.UnknownNamespace) as e:
         print(f"kvtier: {e}", file=sys.stderr)
         return 2
     except TierError as e:

@@ -14,6 +14,7 @@ from kvtier.cli import main
 from kvtier.config import load_config
 from kvtier.synthetic import serve
 from kvtier.tiers.base import TierUsage
+from kvtier.tiers.lmdb import LMDBTier
 
 
 def test_a_bad_config_is_reported_with_its_key_and_exit_code_2(tmp_path, capsys):
@@ -154,11 +155,13 @@ def test_inspect_of_a_tier_not_configured_is_an_error_naming_it(tmp_path, capsys
     assert "tiers.redis: no redis tier is configured" in capsys.readouterr().err
 
 
-def test_inspect_needs_a_layout_to_check_chunks(tmp_path, capsys):
+def test_inspect_needs_a_layout_or_namespace_records_to_check_chunks(tmp_path, capsys):
     config = tmp_path / "no-layout.yaml"
     config.write_text(f"tiers:\n  cpu: {{}}\n  disk: {{path: {tmp_path / 'lmdb'}}}\n")
+    with LMDBTier(tmp_path / "lmdb", 1 << 20, chunk_blocks=4) as tier:
+        tier.put_many([(bytes(16), b"a value no record describes")])
     assert main(["inspect", "--config", str(config), "--tier", "disk"]) == 2
-    assert "layout: a layout section" in capsys.readouterr().err
+    assert "layout: a layout section, or namespace records" in capsys.readouterr().err
 
 
 def test_clear_yes_deletes_every_value_of_the_tier(tmp_path, capsys):
