@@ -168,14 +168,17 @@ class ShardReport:
     """What one shard's worker tells the index after a step: keys its host pool gained
     (True) or lost (False), per spill tier the values it queued (key -> size) or whose
     write ended (key -> 0), which the tiers do not show until they land, and the
-    requests whose stage is over (its blocks, if any, among ``held``)."""
+    requests whose stage is over (its blocks, if any, among ``held``); and, once
+    ``ConnectorCache.track_tiers`` ran, per spill tier the values that landed (key ->
+    blocks of its run) or left it (key -> 0), for KV events."""
 
     held: dict[bytes, bool] = field(default_factory=dict)
     queued: dict[str, dict[bytes, int]] = field(default_factory=dict)
     staged: list[str] = field(default_factory=list)
+    stored: dict[str, dict[bytes, int]] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
-        return bool(self.held or self.queued or self.staged)
+        return bool(self.held or self.queued or self.staged or self.stored)
 
 
 @dataclass
@@ -434,7 +437,15 @@ class ConnectorCache:
             self._settle_stages()
             held, self._changes = self._changes, {}
             staged, self._stages_over = self._stages_over, []
-        return ShardReport(held, self.spill.take_queued() if self.spill else {}, staged)
+        if not self.spill:
+            return ShardReport(held, {}, staged)
+        return ShardReport(held, self.spill.take_queued(), staged, self.spill.take_tier_changes())
+
+    def track_tiers(self) -> None:
+        """Report, from now on, which values land in the spill tiers and which leave them
+        (``ShardReport.stored``): only KV events need it."""
+        if self.spill:
+            self.spill.track_tiers()
 
     # ------------------------------------------------------------------ loads
     def pin(

@@ -341,6 +341,9 @@ class SpillManager:
         self._in_flight: dict[str, dict[bytes, memoryview]] = {t.name: {} for t in self.tiers}
         # What entered and left ``_in_flight`` since ``take_queued``: key -> size, 0 gone.
         self._queued_log: dict[str, dict[bytes, int]] = {t.name: {} for t in self.tiers}
+        # Values that landed in each tier (key -> its blocks) or left it (key -> 0) since
+        # ``take_tier_changes``; None until ``track_tiers`` (then, and only then, kept).
+        self._tier_log: dict[str, dict[bytes, int]] | None = None
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when no write is queued
 
@@ -367,6 +370,34 @@ class SpillManager:
             out = {name: log for name, log in self._queued_log.items() if log}
             self._queued_log = {t.name: {} for t in self.tiers}
             return out
+
+    def track_tiers(self) -> None:
+        """From now on, keep which values land in each tier and which leave it (evicted
+        to make room, rejected on read), for ``take_tier_changes``."""
+        with self._lock:
+            self._tier_log = {t.name: {} for t in self.tiers}
+        for tier in self.tiers:
+            tier.on_drop = partial(self._log_dropped, tier.name)
+
+    def take_tier_changes(self) -> dict[str, dict[bytes, int]]:
+        """Per tier, the values that landed (key -> blocks of its run) or left it (key ->
+        0) since the last call; {} unless ``track_tiers`` ran. A value the store drops on
+        its own (Redis under ``maxmemory``, a TTL) is never seen."""
+        with self._lock:
+            if not self._tier_log:
+                return {}
+            out = {name: log for name, log in self._tier_log.items() if log}
+            self._tier_log = {t.name: {} for t in self.tiers}
+            return out
+
+    def _log_tier(self, name: str, changes: dict[bytes, int]) -> None:
+        """Journal values that landed in tier ``name`` (key -> blocks) or left it (0)."""
+        with self._lock:
+            if self._tier_log is not None:
+                self._tier_log[name].update(changes)
+
+    def _log_dropped(self, name: str, keys: Sequence[bytes]) -> None:
+        self._log_tier(name, dict.fromkeys(keys, 0))
 
     def _queued_sizes(self, tier: SpillTier, keys: Sequence[bytes], sizes: list[int]) -> None:
         """Raise ``sizes`` to those of longer values still queued for ``tier``."""
@@ -486,6 +517,7 @@ class SpillManager:
             log.warning("kvtier: rejected %s value %s (%s); deleting it", name, key.hex(), reason)
             tier = by_name[name]
             self._background(tier, self._writers, partial(tier.delete_many, [key]))
+            self._log_dropped(name, [key])
 
     def on_loaded(self, runs: Sequence[SpillRun], hashes: Sequence[bytes], first: int) -> None:
         """Blocks ``hashes`` (chain positions ``first..``, as many as loaded) were read
@@ -764,6 +796,9 @@ class SpillManager:
             if not fresh:
                 held = tier.sizes_many([key for key, _, _ in items])
                 todo = [item for item, size in zip(items, held) if size < len(item[1])]
+                if self._tier_log is not None:  # what the tier holds already is there too
+                    there = [item for item, size in zip(items, held) if size >= len(item[1])]
+                    self._log_tier(tier.name, {key: n for key, _, n in there})
                 if not todo:
                     return
             start = time.perf_counter()
@@ -782,6 +817,7 @@ class SpillManager:
                 )
                 if blocks:
                     self._record_landed(tier, [blocks[key] for key, _, _ in todo])
+            self._log_tier(tier.name, {key: n for key, _, n in todo})
             self._count_ok(tier.name)
         finally:
             with self._lock:

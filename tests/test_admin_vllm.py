@@ -235,6 +235,21 @@ def test_inspect_redis_lists_the_chunks_of_each_namespace(stores, capsys):
     assert checks == ["ok"] * 6
 
 
+def test_inspect_of_redis_when_it_is_down_is_reported_with_exit_1(redis_down, capsys):
+    serve_like_vllm(MODEL_A)
+    code, _, err = cli(capsys, "inspect", "--tier", "redis")
+    assert code == 1
+    assert "kvtier: RedisTier" in err and "Connection" in err
+
+
+def test_clear_with_redis_down_is_reported_and_deletes_nothing(redis_down, capsys):
+    serve_like_vllm(MODEL_A)
+    code, _, err = cli(capsys, "clear", "--yes")
+    assert code == 1 and "Connection" in err
+    code, out, _ = cli(capsys, "stats")
+    assert rows(out, "disk")[0][1] == "2"
+
+
 def test_inspect_disk_with_a_namespace_is_an_error_saying_why(redis_down, capsys):
     namespace = serve_like_vllm(MODEL_A)
     code, _, err = cli(capsys, "inspect", "--tier", "disk", "--namespace", namespace)

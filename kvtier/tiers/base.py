@@ -55,6 +55,9 @@ class SpillTier(ABC):
     # whose put caused the eviction, after its batch has committed. A tier whose store
     # evicts on its own (Redis under maxmemory) never calls it.
     on_evict: EvictionSink | None = None
+    # Set by the owner to learn the keys of the values this tier evicted to make room
+    # (after the batch has committed), without their values. Redis never calls it.
+    on_drop: Callable[[list[bytes]], None] | None = None
     # Set by the owner to the use counts of the cache's blocks; a tier whose eviction
     # policy ranks by them (LMDB under ``reuse``) asks it for the keys it writes and
     # reads. Without it every key counts as used once.

@@ -399,10 +399,7 @@ class LMDBTier(SpillTier):
             txn.put(_NBYTES, _u64(total), db=self._meta)
             return evicted
 
-        evicted = self._run(shrink, write=True)
-        self._count_evictions(len(evicted))
-        if evicted and self.on_evict is not None:
-            self.on_evict(evicted)
+        self._evicted(self._run(shrink, write=True))
 
     def _fit_file_system(self, room: int) -> None:
         """Before a write of ``room`` bytes: lower ``capacity`` if the file system is
@@ -608,10 +605,17 @@ class LMDBTier(SpillTier):
                 self._delete_value(txn, key)
         return total
 
-    def _count_evictions(self, n: int) -> None:
-        if n:
-            with self._stats_lock:
-                self._evictions += n
+    def _evicted(self, evicted: list[tuple[bytes, bytes]]) -> None:
+        """Count and report the values a committed batch evicted (``on_drop`` gets their
+        keys, ``on_evict`` the pairs)."""
+        if not evicted:
+            return
+        with self._stats_lock:
+            self._evictions += len(evicted)
+        if self.on_drop is not None:
+            self.on_drop([key for key, _ in evicted])
+        if self.on_evict is not None:
+            self.on_evict(evicted)
 
     def order_state(self) -> OrderState:
         """The eviction order's queues, ghost lists and delta (for tests and inspection)."""
@@ -711,9 +715,7 @@ class LMDBTier(SpillTier):
 
         self._fit_file_system(sum(memoryview(v).nbytes for _, v in items))
         stored, evicted = self._run(put, write=True)
-        self._count_evictions(len(evicted))  # only once the batch has committed
-        if evicted and self.on_evict is not None:
-            self.on_evict(evicted)
+        self._evicted(evicted)
         return stored
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
