@@ -544,6 +544,11 @@ class ConnectorCache:
         """Whether a stage is under way."""
         return bool(self._stages)
 
+    @property
+    def pinned_slots(self) -> int:
+        """Host slots that loads, stages and saves in flight hold (none at rest)."""
+        return self.host.num_blocks - self.host.num_free
+
     def load(self, req_id: str) -> None:
         """Start the pinned load of ``req_id``. A host-only load is copied here (queued
         on the load stream after the engine's current work on CUDA, so the engine's next

@@ -97,6 +97,7 @@ from kvtier.integrations.vllm_metrics import (
     FAULTS,
     HOOKS,
     LOAD_ERRORS,
+    PINNED,
     KVTierPromMetrics,
     KVTierStats,
     counters,
@@ -440,10 +441,12 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> KVTierStats | None:
         """What kvtier's counters in this process gained since the last step: the
-        worker's tiers and load errors, and each half's caught faults and hook costs."""
+        worker's tiers, load errors and pinned host slots (a level: its change), and
+        each half's caught faults and hook costs."""
         now = {FAULTS: sum(self.faults.values()), **hook_counters(self.hook_calls, self.hook_ns)}
         if self._cache is not None:
             now[LOAD_ERRORS] = self.num_load_errors
+            now[PINNED] = self._cache.pinned_slots
             now.update(counters(self._cache.counters()))
             now.update(stage_counters(self._cache.stage_counts))
         step, self._reported = gained(now, self._reported), now

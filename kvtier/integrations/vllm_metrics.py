@@ -11,7 +11,10 @@ size 2 a block loaded on both ranks counts twice.
 
 The payload is a flat ``{name: int}`` dict (``"<tier>.<counter>"``, ``LOAD_ERRORS``,
 ``FAULTS``, ``"hook.<hook>.calls"`` / ``"hook.<hook>.us"``): plain data, so that it
-crosses vLLM's process boundaries as it is.
+crosses vLLM's process boundaries as it is. One entry is a level, not a count:
+``PINNED``, the host slots that copies in flight hold, reported as its change, so that
+the same sums give the gauge ``vllm:kvtier_host_pinned_blocks`` (0 whenever nothing is
+being loaded, staged or saved; more at rest is a leak).
 
 Hook costs. Every connector hook that does work counts its calls and the time spent
 in it (``vllm:kvtier_hook_calls_total`` / ``vllm:kvtier_hook_seconds_total``, labelled
@@ -42,6 +45,7 @@ if TYPE_CHECKING:
 
 LOAD_ERRORS = "load_error_blocks"  # blocks reported to vLLM as not loaded
 FAULTS = "faults"  # exceptions a connector hook caught
+PINNED = "host_pinned_blocks"  # host slots held by copies in flight: a gauge
 TIERS = ("cpu", "disk", "redis")
 # The hooks that are timed, by the side of vLLM that calls them (vLLM's per-layer
 # hooks are not: kvtier does nothing in them, and a timer would cost more than they do).
@@ -148,9 +152,13 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             for hook in HOOKS:
                 values = {i: [*v, hook] for i, v in per_engine_labelvalues.items()}
                 self._metrics[f"hook.{hook}.{unit}"] = create_metric_per_engine(metric, values)
+        pinned = self._gauge_cls(name=f"vllm:kvtier_{PINNED}", labelnames=labelnames,
+                                 documentation="Host pool slots held by kvtier's copies in "
+                                 "flight (loads, stages, saves), over all ranks.")  # fmt: skip
+        self._metrics[PINNED] = create_metric_per_engine(pinned, per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, n in transfer_stats_data.items():
             metric = self._metrics.get(key)
-            if metric is not None and n > 0:
+            if metric is not None and (n > 0 or key == PINNED):  # a gauge goes down too
                 metric[engine_idx].inc(n / 1e6 if key.endswith(".us") else n)

@@ -33,7 +33,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 
 from kvtier.connector import ConnectorCache, ConnectorIndex  # noqa: E402
 from kvtier.integrations.vllm import KVTierConnector  # noqa: E402
-from kvtier.integrations.vllm_metrics import SCHEDULER_HOOKS, WORKER_HOOKS  # noqa: E402
+from kvtier.integrations.vllm_metrics import PINNED, SCHEDULER_HOOKS, WORKER_HOOKS  # noqa: E402
 from kvtier.tiers.lmdb import LMDBTier  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -457,6 +457,24 @@ def test_each_hook_reports_its_calls_and_the_time_spent_in_it(tiny_model, engine
         called = {hook: stats.get(f"hook.{hook}.calls", 0) for hook in hooks}
         assert called == {hook: 0 if hook == "request_finished" else 1 for hook in hooks}
         assert sum(stats.get(f"hook.{hook}.us", 0) for hook in hooks) > 0
+
+
+def test_host_slots_a_load_holds_are_reported_pinned_until_it_is_over(
+    tiny_model, engines, tmp_path
+):
+    chain = _hashes(26, 4)
+    _on_disk(tiny_model, engines, _disk(tmp_path), chain)
+    engine = engines(tiny_model, {**_disk(tmp_path), "transfer": {"io_threads": 1}})
+    worker = engine.workers[0]
+    gate = threading.Event()
+    worker.cache.transfer.submit(gate.wait, 30)  # the only I/O worker is busy
+    engine.admit(_request("r", chain), [5, 6, 7, 8, 9])
+    engine.step({})  # the load is pinned and waits for the I/O worker
+    pinned = worker.get_kv_connector_stats().data[PINNED]
+    gate.set()
+    engine.load()
+    assert pinned == 4
+    assert worker.get_kv_connector_stats().data[PINNED] == -4  # the change: none left
 
 
 def _on_disk(tiny_model, engines, config: dict, chain: list[bytes], tp: int = 1) -> list:
