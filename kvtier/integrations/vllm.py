@@ -47,6 +47,12 @@ process, as vLLM does on a small machine once any connector is configured (see
 ``_warn_about_binding``; the README gives the setting). kvtier's own threads never
 change the engine's (``kvtier.threads``).
 
+KV events. With vLLM's ``--kv-events-config`` the scheduler's half also publishes
+kvtier's tiers through vLLM's own stream (``take_events``): ``BlockStored`` when a block
+is held in the host pool, on disk or in Redis by every shard of the replica,
+``BlockRemoved`` when it no longer is, derived from the workers' reports
+(``vllm_events``); without it neither half does any event work.
+
 Keys. With vLLM's default sha256 block hashes, keys are the same in every process,
 so engines sharing a disk or Redis tier share prefixes. With an xxhash algorithm
 vLLM seeds its hashes per process unless ``PYTHONHASHSEED`` is set: the connector
@@ -61,7 +67,7 @@ import os
 import re
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -93,6 +99,7 @@ from kvtier.connector import (
     ShardSpec,
     engine_layout,
 )
+from kvtier.integrations.vllm_events import TierEvents, events_enabled, to_vllm
 from kvtier.integrations.vllm_metrics import (
     FAULTS,
     HOOKS,
@@ -110,6 +117,7 @@ from kvtier.trace import Trace
 
 if TYPE_CHECKING:
     from vllm.config import ParallelConfig, VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -331,9 +339,13 @@ class KVTierConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self.num_load_errors = 0  # blocks reported to vLLM as not loaded, in all
         self._failed_now: set[str] = set()  # requests whose sync load failed this step
+        # kvtier's tiers as KV events (scheduler side), only with --kv-events-config.
+        self.events: TierEvents | None = None
         if role is KVConnectorRole.SCHEDULER:
             self._warn_about_settings()
             self.index = ConnectorIndex(self.config, self._name)
+            if events_enabled(vllm_config):
+                self.events = TierEvents(self.config.hashing.algorithm)
 
     @property
     def cache(self) -> ConnectorCache:
@@ -355,6 +367,8 @@ class KVTierConnector(KVConnectorBase_V1):
         shard = shard_name(parallel)
         self._guarded("register_kv_caches", self._warn_about_binding)
         self._cache = ConnectorCache(self.config, kv, layout, self._name, shard)
+        if events_enabled(self._vllm_config):
+            self._cache.track_tiers()
         log.info("kvtier: connector on %s (%s), shard %s", kv.describe(), layout.describe(), shard)
 
     def get_handshake_metadata(self) -> KVTierHandshake | None:
@@ -542,6 +556,8 @@ class KVTierConnector(KVConnectorBase_V1):
         """Every worker's shard, keyed by (pipeline rank, tensor rank)."""
         shards = [m.shard for _, m in sorted(metadata.items()) if isinstance(m, KVTierHandshake)]
         self.index.set_shards(shards)
+        if self.events is not None:
+            self.events.set_shards(shards)
         log.info("kvtier: scheduler index over %d shard(s)", len(shards))
 
     @timed
@@ -652,6 +668,8 @@ class KVTierConnector(KVConnectorBase_V1):
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, KVTierWorkerMeta):
             self._guarded("update_connector_output", self.index.apply, meta.reports)
+            if self.events is not None:
+                self._guarded("take_events", self.events.apply, meta.reports)
             for shard, report in meta.reports.items():
                 for req_id in report.staged:
                     if req_id in self._requests:
@@ -678,6 +696,14 @@ class KVTierConnector(KVConnectorBase_V1):
             self._unstaged.append(request.request_id)
         return False, None
 
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """kvtier's tiers as KV events since the last step (``vllm_events``); vLLM
+        publishes them with its own. None without ``--kv-events-config``."""
+        if self.events is None:
+            return ()
+        events = self.events
+        return self._guarded("take_events", lambda: to_vllm(events.take(), self.block_size)) or ()
+
     def reset_cache(self) -> bool:
         """Forget everything kvtier stored for this engine (vLLM's
         ``reset_prefix_cache(reset_connector=True)``, e.g. after a weight update): keys
@@ -685,6 +711,8 @@ class KVTierConnector(KVConnectorBase_V1):
         now are never saved again, since their KV may have been computed with the old
         weights."""
         self.index.reset()
+        if self.events is not None:
+            self._guarded("take_events", self.events.reset)
         self._reset = True
         self._unscheduled.clear()
         for state in self._requests.values():
@@ -721,12 +749,14 @@ class KVTierConnector(KVConnectorBase_V1):
         state.staged_at = time.monotonic()
         if self.trace:
             self.trace.event("stage_planned", req_id, blocks=spill.num_blocks)
+        self._note(state, start, start + spill.num_blocks)
         return StageSpec(req_id, spill, keys[start : start + spill.num_blocks], parent)
 
     def _load_spec(self, state: _RequestState, hit: ConnectorHit, targets: list[int]) -> LoadSpec:
         keys = self._keys(state)
         start, end = hit.start, hit.start + hit.num_blocks
         state.loaded = hit.blocks_per_tier()
+        self._note(state, start, end)
         parent = keys[start - 1] if start else None
         req_id = state.request.request_id
         return LoadSpec(req_id, hit, keys[start:end], parent, targets, state.asynchronous)
@@ -743,6 +773,7 @@ class KVTierConnector(KVConnectorBase_V1):
         start = state.num_saved
         table = self._kv_cache_manager.get_block_ids(request.request_id)[0]
         state.num_saved = full
+        self._note(state, start, full)
         return SaveSpec(
             request.request_id,
             table[start:full],
@@ -750,6 +781,13 @@ class KVTierConnector(KVConnectorBase_V1):
             keys[start - 1] if start else None,
             start,
         )
+
+    def _note(self, state: _RequestState, start: int, end: int) -> None:
+        """Blocks ``start..end`` of the request go to the workers: their KV events may
+        need their hashes and tokens."""
+        if self.events is not None:
+            args = state.request, state.keys, start, end, self.block_size
+            self._guarded("take_events", self.events.note, *args)
 
     def _state(self, request: Request) -> _RequestState:
         state = self._requests.get(request.request_id)
