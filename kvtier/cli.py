@@ -327,6 +327,22 @@ def clear_tiers(args: argparse.Namespace) -> int:
     return 0
 
 
+def watch_events(args: argparse.Namespace) -> int:
+    """Follow vLLM replicas' KV event streams and keep a router's view of them
+    (``kvtier.events``): per replica the blocks per tier, and for ``--prompt-file`` how
+    many leading blocks each replica serves from which tier."""
+    from kvtier import events
+
+    try:
+        prompt = events.read_prompt(args.prompt_file) if args.prompt_file else None
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--prompt-file: {e}") from e
+    try:
+        return events.watch(args.endpoints, args.seconds, prompt, args.json, args.topic)
+    except ImportError as e:
+        raise UsageError(f"events: needs pyzmq (vLLM installs it): {e}") from e
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -407,6 +423,22 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--namespace", help=f"Redis: {namespace_help}")
     c.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     c.set_defaults(func=clear_tiers)
+    e = sub.add_parser(
+        "events", help="follow vLLM replicas' KV events: blocks per tier, a prompt's hits"
+    )
+    e.add_argument(
+        "endpoints",
+        nargs="+",
+        metavar="ENDPOINT",
+        help="a replica's --kv-events-config endpoint as a client reaches it (tcp://host:port)",
+    )
+    e.add_argument("--prompt-file", help="token ids (a JSON list, or separated by spaces)")
+    e.add_argument(
+        "--seconds", type=_positive_float, help="stop after this long (default: at Ctrl-C)"
+    )
+    e.add_argument("--json", action="store_true", help="print only the final view, as JSON")
+    e.add_argument("--topic", default="", help="the publisher's topic (default: all)")
+    e.set_defaults(func=watch_events)
     return parser
 
 

@@ -34,9 +34,11 @@ forgotten.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -297,3 +299,80 @@ class Subscriber:
     def close(self) -> None:
         for sock in self._sockets:
             sock.close(linger=0)
+
+
+def read_prompt(path: str | Path) -> list[int]:
+    """Token ids from a file: a JSON list, or integers separated by whitespace or commas."""
+    text = Path(path).read_text()
+    try:
+        ids = json.loads(text)
+    except ValueError:
+        ids = text.replace(",", " ").split()
+    try:
+        return [int(i) for i in ids]
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: not a list of token ids: {e}") from e
+
+
+def summary(fleet: Fleet, prompt: Sequence[int] | None) -> dict[str, Any]:
+    """The router's view as plain data: per replica its blocks per tier, and with a
+    ``prompt`` the leading blocks it serves per tier, and the replica ``choose`` picks."""
+    out: dict[str, Any] = {
+        "replicas": {name: {"blocks": v.blocks_per_tier()} for name, v in fleet.views.items()},
+        "remote": fleet.remote.blocks_per_tier(),
+    }
+    if prompt is not None:
+        matches = fleet.match(prompt)
+        for m in matches:
+            out["replicas"][m.replica]["prompt"] = {
+                "leading_blocks": m.num_blocks,
+                "per_tier": m.blocks_per_tier(),
+                "score": m.score,
+            }
+        out["route"] = choose(matches).replica
+    return out
+
+
+def describe(replica: str, event: Mapping[str, Any]) -> str:
+    """One event as a line: replica, kind, tier, how many blocks."""
+    kind = event.get("type", "?")
+    if kind == "AllBlocksCleared":
+        return f"{replica} AllBlocksCleared"
+    tier = tier_of(event.get("medium"), event.get("locality"), event.get("ownership"))
+    return f"{replica} {kind} {tier} {len(event.get('block_hashes', []))} blocks"
+
+
+def watch(endpoints: Sequence[str], seconds: float | None, prompt: Sequence[int] | None,
+          as_json: bool = False, topic: str = "") -> int:  # fmt: skip
+    """``kvtier events``: follow the replicas' streams for ``seconds`` (None: until
+    Ctrl-C), printing each event (not ``as_json``), then the view (``summary``)."""
+    sub = Subscriber(endpoints, topic)
+    deadline = None if seconds is None else time.monotonic() + seconds
+    try:
+        while deadline is None or time.monotonic() < deadline:
+            left = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
+            batches = sub.poll(max(0.0, left))
+            lines = [] if as_json else [describe(r, e) for r, events in batches for e in events]
+            for line in lines:
+                print(line, flush=True)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sub.close()
+    view = summary(sub.fleet, prompt)
+    if as_json:
+        print(json.dumps(view, indent=2))
+        return 0
+    for name, replica in view["replicas"].items():
+        tiers = ", ".join(f"{t} {n}" for t, n in replica["blocks"].items()) or "nothing"
+        print(f"{name}: holds {tiers}")
+        if "prompt" in replica:
+            p = replica["prompt"]
+            tiers = ", ".join(f"{t} {n}" for t, n in p["per_tier"].items())
+            print(f"  prompt: {p['leading_blocks']} leading blocks ({tiers or 'none'})")
+    if view["remote"]:
+        tiers = ", ".join(f"{t} {n}" for t, n in view["remote"].items())
+        print(f"remote, for every replica: {tiers}")
+    if "route" in view:
+        print(f"route the prompt to: {view['route']}")
+    return 0

@@ -3,13 +3,23 @@ a prompt, the leading blocks each replica serves from which tier; the router's c
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
 import msgpack
 import pytest
 
+from kvtier.cli import main
 from kvtier.events import Fleet, PrefixMatch, Subscriber, choose, decode_batch, tier_of
 
 BLOCK = 4
 PROMPT = list(range(100, 100 + 6 * BLOCK + 1))  # six full blocks and one token
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def stored(hashes, parent=None, tokens=PROMPT, medium="GPU", locality=None, ownership=None):
@@ -109,20 +119,109 @@ def test_a_batch_payload_decodes_as_vllm_encodes_it():
         decode_batch(b"\x01")
 
 
-def test_the_subscriber_applies_what_a_publisher_sends():
+@pytest.fixture
+def publish() -> Iterator:
+    """``publish(batch)``: a ZMQ PUB socket on a free loopback port that sends ``batch``
+    (a payload) over and over until the test is done, and its endpoint (a SUB socket
+    misses what is sent before it has joined; stores are idempotent)."""
     zmq = pytest.importorskip("zmq")
-    pub = zmq.Context.instance().socket(zmq.PUB)
-    port = pub.bind_to_random_port("tcp://127.0.0.1")
-    endpoint = f"tcp://127.0.0.1:{port}"
+    done = threading.Event()
+    started: list[tuple[threading.Thread, object]] = []
+
+    def run(pub, payload: bytes) -> None:
+        while not done.wait(0.02):
+            pub.send_multipart([b"", (7).to_bytes(8, "big"), payload])
+
+    def start(payload: bytes) -> str:
+        pub = zmq.Context.instance().socket(zmq.PUB)
+        port = pub.bind_to_random_port("tcp://127.0.0.1")
+        thread = threading.Thread(target=run, args=(pub, payload))
+        thread.start()
+        started.append((thread, pub))
+        return f"tcp://127.0.0.1:{port}"
+
+    yield start
+    done.set()
+    for thread, pub in started:
+        thread.join()
+        pub.close(linger=0)
+
+
+def batch(*events) -> bytes:
+    return msgpack.packb([0.0, list(events), None])
+
+
+def test_the_subscriber_applies_what_a_publisher_sends(publish):
+    endpoint = publish(batch(stored([0, 1], **CPU)))
     sub = Subscriber([endpoint])
     try:
-        payload = msgpack.packb([0.0, [stored([0, 1], **CPU)], None])
-        for seq in range(50):  # a SUB misses what is sent before it has joined
-            pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
-            if sub.poll(0.05):
-                break
+        sub.poll(1.0)
         assert sub.fleet.views[endpoint].blocks_per_tier() == {"cpu": 2}
-        assert sub.fleet.last_seq[endpoint] == seq
+        assert sub.fleet.last_seq[endpoint] == 7
     finally:
         sub.close()
-        pub.close(linger=0)
+
+
+def test_kvtier_events_prints_each_replicas_tiers_and_a_prompts_route(publish, tmp_path, capsys):
+    endpoint = publish(batch(stored([0, 1, 2]), stored([0, 1, 2, 3], **CPU)))
+    prompt = tmp_path / "prompt.json"
+    prompt.write_text(json.dumps(PROMPT))
+    assert main(["events", endpoint, "--seconds", "1", "--json", "--prompt-file", str(prompt)]) == 0
+    view = json.loads(capsys.readouterr().out)
+    assert view["replicas"][endpoint]["blocks"] == {"gpu": 3, "cpu": 4}
+    assert view["replicas"][endpoint]["prompt"]["per_tier"] == {"gpu": 3, "cpu": 1}
+    assert view["route"] == endpoint
+
+
+class FakeServer(ThreadingHTTPServer):
+    """The two routes of vLLM's OpenAI server the router calls; counts completions."""
+
+    def __init__(self) -> None:
+        self.completions = 0
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self._reply({"data": [{"id": "m"}]})
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers["Content-Length"]))
+                server.completions += 1
+                self._reply({"choices": [{"token_ids": [1, 2]}]})
+
+            def _reply(self, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+def test_route_by_prefix_sends_a_prompt_to_the_replica_holding_more_of_it(publish, tmp_path):
+    gpu, host = FakeServer(), FakeServer()
+    replicas = [
+        f"{gpu.url}={publish(batch(stored([0, 1])))}",
+        f"{host.url}={publish(batch(stored([0, 1, 2, 3], **CPU)))}",
+    ]
+    prompt = tmp_path / "prompt.json"
+    prompt.write_text(json.dumps(PROMPT))
+    args = [a for r in replicas for a in ("--replica", r)]
+    done = subprocess.run(
+        [sys.executable, "examples/route_by_prefix.py", *args, "--prompt-file", str(prompt)],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert f"routed to {host.url}; reply [1, 2]" in done.stdout
+    assert (gpu.completions, host.completions) == (0, 1)
+    for server in (gpu, host):
+        server.shutdown()
