@@ -383,6 +383,8 @@ class SpillManager:
         """Per tier, the values that landed (key -> blocks of its run) or left it (key ->
         0) since the last call; {} unless ``track_tiers`` ran. A value the store drops on
         its own (Redis under ``maxmemory``, a TTL) is never seen."""
+        if self._tier_log is None:  # not tracked: no lock taken (called every step)
+            return {}
         with self._lock:
             if not self._tier_log:
                 return {}
@@ -392,12 +394,19 @@ class SpillManager:
 
     def _log_tier(self, name: str, changes: dict[bytes, int]) -> None:
         """Journal values that landed in tier ``name`` (key -> blocks) or left it (0)."""
+        if self._tier_log is None:  # not tracked (set once, by track_tiers)
+            return
         with self._lock:
-            if self._tier_log is not None:
-                self._tier_log[name].update(changes)
+            self._tier_log[name].update(changes)
 
     def _log_dropped(self, name: str, keys: Sequence[bytes]) -> None:
         self._log_tier(name, dict.fromkeys(keys, 0))
+
+    def _log_put(self, tier: SpillTier, items: list[tuple[bytes, memoryview, int]],
+                 there: bool) -> None:  # fmt: skip
+        """Journal write ``items`` (key, value, blocks) as in ``tier`` or not there."""
+        if self._tier_log is not None:
+            self._log_tier(tier.name, {key: n if there else 0 for key, _, n in items})
 
     def _queued_sizes(self, tier: SpillTier, keys: Sequence[bytes], sizes: list[int]) -> None:
         """Raise ``sizes`` to those of longer values still queued for ``tier``."""
@@ -798,17 +807,23 @@ class SpillManager:
                 todo = [item for item, size in zip(items, held) if size < len(item[1])]
                 if self._tier_log is not None:  # what the tier holds already is there too
                     there = [item for item, size in zip(items, held) if size >= len(item[1])]
-                    self._log_tier(tier.name, {key: n for key, _, n in there})
+                    self._log_put(tier, there, True)
                 if not todo:
                     return
             start = time.perf_counter()
-            stored = tier.put_many([(key, value) for key, value, _ in todo], only_new=fresh)
+            self._log_put(tier, todo, True)  # first: the evictions the write makes come after
+            try:
+                stored = tier.put_many([(key, value) for key, value, _ in todo], only_new=fresh)
+            except BaseException:
+                self._log_put(tier, todo, False)
+                raise
             seconds = time.perf_counter() - start
             if stored < len(todo):  # held already (fresh), or too large for the tier: which?
                 # A value as long as ours is counted as written, whoever wrote it.
                 landed = tier.sizes_many([key for key, _, _ in todo])
                 skipped = [item for item, size in zip(todo, landed) if size < len(item[1])]
                 todo = [item for item, size in zip(todo, landed) if size >= len(item[1])]
+                self._log_put(tier, skipped, False)  # a shorter run there goes unannounced
                 with self._lock:
                     self._stats[tier.name].dropped += sum(n for _, _, n in skipped)
             with self._lock:
@@ -817,7 +832,6 @@ class SpillManager:
                 )
                 if blocks:
                     self._record_landed(tier, [blocks[key] for key, _, _ in todo])
-            self._log_tier(tier.name, {key: n for key, _, n in todo})
             self._count_ok(tier.name)
         finally:
             with self._lock:
