@@ -42,7 +42,9 @@ overwrites those blocks runs after the copy. Host slots are published only once
 their copy has completed, and pinned while a copy reads them.
 
 Threads. Every public method of ``ConnectorCache`` takes ``self._lock``; spill reads
-run on the transfer engine's workers, spill writes on the spill manager's.
+run on the transfer engine's workers, spill writes on the spill manager's. A stage's
+read waits until no load's is under way (``STAGE_YIELD`` at most): a load's request
+is running, a stage's is still queued.
 """
 
 from __future__ import annotations
@@ -78,6 +80,8 @@ from kvtier.trace import LoadTimes, Trace
 from kvtier.transfer import Transfer, copy_blocks
 
 log = logging.getLogger(__name__)
+
+STAGE_YIELD = 0.25  # seconds a stage's read waits at most for the loads being read
 
 
 class EngineKV:
@@ -416,6 +420,10 @@ class ConnectorCache:
         self._staged_unused: set[bytes] = set()  # keys stages published, no load used yet
         self._stage_budget = int(config.tiers.cpu.stage_share * self.host.num_blocks)
         self.stage_counts = StageCounts()
+        # Spill loads submitted and not over: a stage reads only when there are none
+        # (``STAGE_YIELD`` at most), for their requests run now and a stage's still waits.
+        self._loads_reading = 0
+        self._no_loads_reading = threading.Condition()
         self._saves: list[_Save] = []
         self._changes: dict[bytes, bool] = {}  # keys the host pool gained or lost
         self.trace = Trace(config.metrics.trace_path)
@@ -528,7 +536,7 @@ class ConnectorCache:
             p.started = time.perf_counter()
             self._stages[req_id] = p
             self.stage_counts.staged += n
-        self.transfer.submit(self._run_load, p, None)
+        self.transfer.submit(self._read_stage, p)
         return n
 
     def unstage(self, req_id: str) -> None:
@@ -566,7 +574,12 @@ class ConnectorCache:
                     p.finished.set()
                 return
             after = self.transfer.mark()
-        self.transfer.submit(self._run_load, p, after)
+        self._count_loads_reading(+1)
+        try:
+            self.transfer.submit(self._read_load, p, after)
+        except BaseException:
+            self._count_loads_reading(-1)
+            raise
 
     def finished_loads(self) -> list[tuple[str, list[int]]]:
         """Loads that are over, each with the engine blocks that did not load (recompute
@@ -739,6 +752,23 @@ class ConnectorCache:
             p.error = e
         finally:
             p.finished.set()
+
+    def _read_load(self, p: _Load, after: torch.cuda.Event | None) -> None:
+        try:
+            self._run_load(p, after)
+        finally:
+            self._count_loads_reading(-1)
+
+    def _read_stage(self, p: _Load) -> None:
+        with self._no_loads_reading:
+            self._no_loads_reading.wait_for(lambda: not self._loads_reading, STAGE_YIELD)
+        self._run_load(p, None)
+
+    def _count_loads_reading(self, change: int) -> None:
+        with self._no_loads_reading:
+            self._loads_reading += change
+            if not self._loads_reading:
+                self._no_loads_reading.notify_all()
 
     def _settle(self, req_id: str, p: _Load) -> None:
         """Count a finished load, publish what it read from the spill tiers, unpin."""

@@ -12,6 +12,7 @@ call exactly where a real engine, or a fault, would put it.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -541,12 +542,39 @@ def test_a_request_whose_stage_reads_is_not_looked_up_again_while_it_waits(
     request = _request("r", chain)
     engine.arrive(request)
     lookups = []
-    lookup = engine.scheduler.index.lookup
-    monkeypatch.setattr(engine.scheduler.index, "lookup", lambda *a: lookups.append(a) or lookup(*a))
+    index = engine.scheduler.index
+    lookup = index.lookup
+    monkeypatch.setattr(index, "lookup", lambda *a: lookups.append(a) or lookup(*a))
     for _ in range(3):  # vLLM asks each step while the request waits
         assert engine.scheduler.get_num_new_matched_tokens(request, 0) == (None, False)
     gate.set()
     assert lookups == []
+
+
+def test_a_stage_reads_once_the_loads_being_read_are_over(
+    tiny_model, engines, tmp_path, monkeypatch
+):
+    running, waiting = _hashes(31, 4), _hashes(32, 4)
+    _on_disk(tiny_model, engines, _disk(tmp_path), running + waiting)
+    engine = engines(tiny_model, _disk(tmp_path))  # two I/O workers
+    cache = engine.workers[0].cache
+    reads, gate = [], threading.Event()
+    load = cache.spill.load
+
+    def gated(runs, slots):  # the first read (the load's) waits for the gate
+        reads.append(len(reads))
+        if len(reads) == 1:
+            gate.wait(30)
+        return load(runs, slots)
+
+    monkeypatch.setattr(cache.spill, "load", gated)
+    engine.admit(_request("r", running), [5, 6, 7, 8, 9])
+    engine.arrive(_request("s", running + waiting))  # its stage is submitted with the load
+    time.sleep(0.1)  # the other I/O worker is free: only the load holds the stage back
+    assert reads == [0]
+    gate.set()
+    cache.wait_loads()
+    assert reads == [0, 1]
 
 
 def test_a_request_scheduled_in_the_step_it_arrives_is_loaded_not_staged(
