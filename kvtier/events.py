@@ -218,7 +218,9 @@ class Fleet:
         size = view.block_size or self.remote.block_size
         tiers: list[str] = []
         parent: Any = None
-        for start in range(0, len(token_ids) - size + 1 if size else 0, size):
+        if not size:  # nothing heard yet
+            return PrefixMatch(name, ())
+        for start in range(0, len(token_ids) - size + 1, size):
             chunk = tuple(token_ids[start : start + size])
             h = view.children.get((parent, chunk), self.remote.children.get((parent, chunk)))
             held = {t for source in (view, self.remote) if h in source.blocks

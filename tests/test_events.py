@@ -95,6 +95,11 @@ def test_a_prompt_shorter_than_a_block_matches_nothing():
     assert fleet.match(PROMPT[:3])[0].num_blocks == 0
 
 
+def test_a_fleet_that_heard_nothing_matches_nothing_and_routes_to_the_first_replica():
+    matches = Fleet(["a", "b"]).match(PROMPT)
+    assert [m.num_blocks for m in matches] == [0, 0] and choose(matches).replica == "a"
+
+
 def test_the_router_picks_the_longest_held_prefix():
     best = choose([PrefixMatch("a", ("gpu",) * 2), PrefixMatch("b", ("disk",) * 5)])
     assert best.replica == "b"
