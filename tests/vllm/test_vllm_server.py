@@ -17,10 +17,14 @@ small machine.
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import random
 import shutil
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -125,11 +129,65 @@ def test_a_shared_prefix_evicted_from_vllm_comes_back_from_kvtiers_host_pool(fir
     assert [first, second] == reference[:2]
 
 
-def test_after_a_restart_the_prefix_is_a_disk_hit(tiny_model, space, first_run, reference):
+@pytest.fixture(scope="module")
+def restarted(tiny_model, space, first_run) -> Iterator[VLLMServer]:
+    """A server started after ``first_run``'s: its host pool is empty, its disk holds
+    the prefix and the fillers."""
     with space.server(tiny_model, []) as server:
-        tokens, sources = _serve(server, QUESTIONS[2])
+        yield server
+
+
+def test_after_a_restart_the_prefix_is_a_disk_hit(restarted, reference):
+    tokens, sources = _serve(restarted, QUESTIONS[2])
     assert sources == {"disk": len(PREFIX)}
     assert tokens == reference[2]
+
+
+def _hang_up(server: VLLMServer, prompt: list[int], after: float) -> None:
+    """Send ``prompt`` as a streamed completion and close the connection ``after``
+    seconds later, as a client that gives up does (vLLM aborts the request)."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    body = {"model": server.model, "prompt": prompt, "max_tokens": 16, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    time.sleep(after)
+    conn.close()
+
+
+def _wait_idle(server: VLLMServer, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        samples = server.metrics()
+        busy = sum(
+            v
+            for k, v in samples.items()
+            if k.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting"))
+        )
+        if not busy:
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"vLLM still has requests after {timeout} s")
+
+
+def _metric(server: VLLMServer, name: str) -> float:
+    """The sum of ``name``'s samples (over engines and labels)."""
+    return sum(v for k, v in server.metrics().items() if k.split("{")[0] == name)
+
+
+def test_clients_hanging_up_while_their_prefixes_stage_leave_no_host_slot_pinned(
+    restarted, reference
+):
+    """Sixteen requests on the prefixes the disk holds arrive at once (vLLM's pool holds
+    two of them: the rest wait, and their disk hits are staged), and every client gives
+    up within 0.3 s, while its prefix is staged, loaded or its reply computed."""
+    draw = random.Random(5)
+    prompts = [(PREFIX, *FILLERS)[i % 4] + _tokens(32, seed=100 + i) for i in range(16)]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        list(pool.map(lambda p: _hang_up(restarted, p, draw.uniform(0, 0.3)), prompts))
+    _wait_idle(restarted)
+    restarted.complete(_tokens(8, seed=99), max_tokens=1)  # a step, to report the level
+    assert _metric(restarted, "vllm:kvtier_staged_blocks_total") > 0
+    assert _metric(restarted, "vllm:kvtier_host_pinned_blocks") == 0
+    assert restarted.complete(QUESTIONS[0]).tokens == reference[0]
 
 
 def test_the_connector_does_not_warn_of_the_core_binding_with_the_readmes_setting(space, first_run):
