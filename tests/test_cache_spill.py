@@ -167,10 +167,11 @@ def test_lookup_costs_one_redis_round_trip(tmp_path, backend):
     cache.close()
 
 
-@pytest.mark.parametrize("damage", ["fingerprint", "truncate", "flip"])
-def test_a_damaged_value_is_a_miss_is_deleted_and_counted(tmp_path, damage):
-    cache, (disk,) = make_cache(tmp_path)
-    a = prompt(1, 12)
+def first_spilled_value(
+    cache: TieredCache, disk: LMDBTier, a: list[int]
+) -> tuple[bytes, bytearray]:
+    """Serve ``a``, push it down to ``disk``: the key and a copy of the value holding its
+    first blocks."""
     serve(cache, "a", a)
     push_down(cache, range(8))
     hit = cache.lookup("probe", a)
@@ -178,7 +179,14 @@ def test_a_damaged_value_is_a_miss_is_deleted_and_counted(tmp_path, damage):
     key = hit.spill[0].chunks[0].key
     values = []
     disk.get_many([key], lambda i, v: values.append(bytearray(v)))
-    (value,) = values
+    return key, values[0]
+
+
+@pytest.mark.parametrize("damage", ["fingerprint", "truncate", "flip"])
+def test_a_damaged_value_is_a_miss_is_deleted_and_counted(tmp_path, damage):
+    cache, (disk,) = make_cache(tmp_path)
+    a = prompt(1, 12)
+    key, value = first_spilled_value(cache, disk, a)
     if damage == "fingerprint":  # the same bytes, claimed by another layout
         fp = cache.layout.fingerprint
         value[value.index(fp) : value.index(fp) + len(fp)] = bytes(16)

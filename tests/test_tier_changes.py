@@ -3,7 +3,14 @@
 
 from __future__ import annotations
 
-from test_cache_spill import BLOCK_NBYTES, config, make_cache, prompt, push_down
+from test_cache_spill import (
+    BLOCK_NBYTES,
+    config,
+    first_spilled_value,
+    make_cache,
+    prompt,
+    push_down,
+)
 
 from kvtier.cache import TieredCache
 from kvtier.config import parse_config
@@ -54,15 +61,9 @@ def test_a_value_rejected_on_read_is_journaled_as_gone(tmp_path):
     cache, (disk,) = make_cache(tmp_path)
     cache.spill.track_tiers()
     a = prompt(1, 12)
-    serve(cache, "a", a)
-    push_down(cache, range(8))
-    hit = cache.lookup("probe", a)
-    cache.free("probe")
-    key = hit.spill[0].chunks[0].key
-    values: list[bytearray] = []
-    disk.get_many([key], lambda i, v: values.append(bytearray(v)))
-    values[0][-1] ^= 0x40
-    disk.put_many([(key, bytes(values[0]))])
+    key, value = first_spilled_value(cache, disk, a)
+    value[-1] ^= 0x40
+    disk.put_many([(key, bytes(value))])
     cache.spill.take_tier_changes()
     serve(cache, "a2", a)
     cache.flush()
