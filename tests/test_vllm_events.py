@@ -110,6 +110,23 @@ def test_a_longer_run_under_the_same_key_replaces_the_shorter_one():
     assert events.take() == [Removed("redis", [b"h0.0", b"h0.1", b"h0.2", b"h0.3"])]
 
 
+def test_a_value_of_a_tier_with_a_ttl_leaves_the_index_that_long_after_it_last_landed():
+    now = [0.0]
+    events = TierEvents(ALGO, {"redis": 10.0}, clock=lambda: now[0])
+    [spec] = shards(1)
+    events.set_shards([spec])
+    keys = base_keys(2)
+    events.note(request(2), keys, 0, 2, BLOCK)
+    events.apply(landed(spec, "redis", keys[1], 2))
+    assert [e.tier for e in events.take()] == ["redis"]
+    now[0] = 8.0
+    events.apply(landed(spec, "redis", keys[1], 2))  # written again: lives on
+    now[0] = 15.0
+    assert events.take() == []
+    now[0] = 18.0
+    assert events.take() == [Removed("redis", [b"h0.0", b"h0.1"])]
+
+
 def test_spill_blocks_need_every_shard_too():
     events, (s0, s1), keys = tracker(2, 2)
     events.apply(landed(s0, "disk", keys[1], 2))

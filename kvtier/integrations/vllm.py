@@ -345,7 +345,7 @@ class KVTierConnector(KVConnectorBase_V1):
             self._warn_about_settings()
             self.index = ConnectorIndex(self.config, self._name)
             if events_enabled(vllm_config):
-                self.events = TierEvents(self.config.hashing.algorithm)
+                self.events = TierEvents.from_config(self.config)
 
     @property
     def cache(self) -> ConnectorCache:

@@ -21,12 +21,16 @@ Contract.
 - ``reset`` (vLLM's ``reset_prefix_cache(reset_connector=True)``): every block held
   is removed (kvtier's keys move to a new key space; vLLM's own ``AllBlocksCleared``
   covers the GPU pool).
+- A tier with a TTL (Redis, ``tiers.redis.ttl``): a value is removed ``ttl`` seconds
+  after it last landed. Reads refresh the expiry in Redis (any replica's), so the
+  value may outlive that: the index then undercounts, never claims what is gone
+  because of the TTL.
 - Batched per step: nothing is published before ``take``. Bounded: a block's metadata
   (hash, tokens) is kept while a tier holds it, and for ``RECENT_BLOCKS`` blocks noted
   or let go most recently (a save that lands later, a host victim whose disk write
   has not landed yet).
 
-Known limits: a value the store drops without telling (Redis ``maxmemory``, a TTL, a
+Known limits: a value the store drops without telling (Redis ``maxmemory``, a
 ``kvtier clear`` from another process) is not removed; a value found in a tier that
 this replica did not see land (written before a restart, or by another replica) is
 not announced; it becomes a host block, announced, when a request loads it.
@@ -36,11 +40,14 @@ This module needs vLLM only in ``to_vllm``; ``TierEvents`` is plain Python.
 
 from __future__ import annotations
 
+import time
+from array import array
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.config import KVTierConfig
 from kvtier.connector import ShardReport, ShardSpec, shard_keys
 from kvtier.events import medium_of
 
@@ -53,13 +60,14 @@ RECENT_BLOCKS = 1 << 16
 @dataclass(frozen=True)
 class BlockInfo:
     """What a ``BlockStored`` says of one block: vLLM's hash of it and of its parent
-    (None: block 0), its tokens; ``key`` and ``parent_key`` are kvtier's base keys."""
+    (None: block 0), its tokens (compact: kept while a tier holds the block); ``key``
+    and ``parent_key`` are kvtier's base keys."""
 
     key: bytes
     parent_key: bytes | None
     block_hash: bytes
     parent_hash: bytes | None
-    token_ids: tuple[int, ...]
+    token_ids: array
 
 
 @dataclass
@@ -82,8 +90,17 @@ class TierEvents:
     """The scheduler's derivation of kvtier's KV events (module docstring). Not
     thread-safe: vLLM's scheduler calls it from one thread."""
 
-    def __init__(self, algorithm: str) -> None:
+    def __init__(
+        self,
+        algorithm: str,
+        ttl: Mapping[str, float] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._algorithm = algorithm
+        self._ttl = dict(ttl or {})  # tier -> seconds a value lives after it lands
+        self._clock = clock
+        # Values of tiers with a TTL, oldest landing first: (tier, shard, key) -> when.
+        self._landed: OrderedDict[tuple[str, int, bytes], float] = OrderedDict()
         self.shards: list[ShardSpec] = []
         self._shard_index: dict[str, int] = {}
         self._blocks: dict[bytes, BlockInfo] = {}  # base key -> metadata
@@ -96,6 +113,13 @@ class TierEvents:
         self._refs: Counter[bytes] = Counter()  # base key -> (tier, shard) parts held
         self._recent: OrderedDict[bytes, None] = OrderedDict()
         self._changes: list[tuple[bool, str, BlockInfo]] = []  # (stored?, tier, block)
+
+    @classmethod
+    def from_config(cls, config: KVTierConfig) -> TierEvents:
+        """For the connector of ``config``: its hash algorithm, its Redis TTL."""
+        redis = config.tiers.redis
+        ttl = {"redis": redis.ttl} if redis is not None and redis.ttl else {}
+        return cls(config.hashing.algorithm, ttl)
 
     def set_shards(self, shards: Sequence[ShardSpec]) -> None:
         """The replica's shards (the workers' handshake); reports of others are ignored."""
@@ -118,7 +142,7 @@ class TierEvents:
                 keys[i - 1] if i else None,
                 bytes(hashes[i]),
                 bytes(hashes[i - 1]) if i else None,
-                tuple(tokens[i * block_size : (i + 1) * block_size]),
+                array("i", tokens[i * block_size : (i + 1) * block_size]),
             )
         per_shard = [
             shard_keys(s.root, [keys[i] for i in new], self._algorithm) for s in self.shards
@@ -155,7 +179,8 @@ class TierEvents:
 
     def take(self) -> list[Stored | Removed]:
         """This step's events, in order: runs of one tier's stored chain blocks, or of
-        one tier's removals, each one event."""
+        one tier's removals, each one event. Values past their tier's TTL go first."""
+        self._expire()
         out: list[Stored | Removed] = []
         for stored, tier, block in self._changes:
             last = out[-1] if out else None
@@ -189,8 +214,21 @@ class TierEvents:
         run.reverse()  # chain order, so that the run is one event
         if run:
             values[key] = tuple(run)
+        if tier in self._ttl:
+            self._landed.pop((tier, shard, key), None)
+            if run:
+                self._landed[(tier, shard, key)] = self._clock()
         self._cover_keys(tier, run, 1)  # before the old run goes: no block flaps
         self._cover_keys(tier, old, -1)
+
+    def _expire(self) -> None:
+        """Values that landed longer than their tier's TTL ago leave the index."""
+        now = self._clock()
+        while self._landed:
+            (tier, shard, key), landed = next(iter(self._landed.items()))
+            if now - landed < self._ttl[tier]:
+                return
+            self._value(tier, shard, key, 0)
 
     def _cover_keys(self, tier: str, keys: Sequence[bytes], step: int) -> None:
         """One more (``step`` 1) or one fewer (-1) value of ``tier`` holds each of
@@ -235,7 +273,7 @@ class TierEvents:
 
     def _forget_all(self) -> None:
         for state in (self._blocks, self._keys, self._base, self._cover, self._holders,
-                      self._values, self._refs, self._recent):  # fmt: skip
+                      self._values, self._refs, self._recent, self._landed):  # fmt: skip
             state.clear()
 
 
