@@ -19,7 +19,8 @@ build on a small machine (``--vllm-default-cores`` leaves it unset):
 - ``..., no staging``: the same without staging a waiting request's hit into the host
   pool (``KVTIER_STAGE_SHARE=0``).
 - ``... restarted``: a server that served the workload's prime prompts, then restarted
-  on the same tiers, so the prefixes are on disk (or only in Redis) and nowhere else.
+  on the same tiers, so the prefixes are on disk (or only in Redis) and nowhere else;
+  it serves a few other prompts of the same shape before the timed run (a warm engine).
 
 The client is vLLM's own (``vllm.benchmarks.serve``, the code behind ``vllm bench
 serve``), greedy (``--temperature 0``), in this process. Workloads:
@@ -30,9 +31,13 @@ serve``), greedy (``--temperature 0``), in this process. Workloads:
 - ``chat``: multi-turn chats from kvtier's workload generator (``kvtier.tracegen``,
   chats only), replayed at their arrival times (vLLM's ``timed_trace`` dataset): turns
   whose prompts grow by every earlier message and reply, behind shared system prompts.
-- ``spill``: as ``shared`` with more prefixes than the host pool of ``kvtier disk`` /
-  ``kvtier redis`` holds, and more requests in flight than vLLM's pool holds, so
-  requests queue and their hits come from disk or Redis.
+- ``spill``: a prime (untimed) computes 12 prefixes of 2k tokens, three times what
+  the host pool of ``kvtier disk`` / ``kvtier redis`` holds, so most of them live on
+  disk or only in Redis; then questions on them arrive at once, more in flight than
+  vLLM's pool holds, so requests queue and their hits come from disk or Redis.
+- ``spill 8k``: the same at 8k-token prefixes, on servers of their own (``... 8k``:
+  vLLM's pool and model length for such prompts, a host pool of four such prefixes).
+  (Not in ``--quick``.)
 - ``burst``: eight requests at once on eight 2k-token prefixes that an earlier run
   (the prime, untimed) stored: in the host pool (``kvtier``, the prime ending with
   prompts that push them out of vLLM's pool), on disk or only in Redis (restarted).
@@ -40,9 +45,10 @@ serve``), greedy (``--temperature 0``), in this process. Workloads:
 
 Each repeat starts every server once (in an order that alternates between repeats),
 with fresh tiers, and runs its workloads on it (``--quick``: one repeat, fewer
-prompts, no ``no staging`` servers). A row is the median over the repeats;
-its ratio is to vLLM alone's median in the same run. Replies are compared with vLLM
-alone's of the same repeat, prompt by prompt (greedy, so they should be equal).
+prompts, no ``no staging`` servers, the spill workload on disk only). A row is the
+median over the repeats; its ratio is to vLLM alone's median in the same run.
+Replies are compared with vLLM alone's of the same repeat, prompt by prompt (greedy,
+so they should be equal).
 
 The hook table gives what each of kvtier's connector hooks costs per engine step, read
 from the counters the connector reports to vLLM's ``/metrics``
@@ -54,6 +60,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import random
 import re
 import statistics
 import tempfile
@@ -81,14 +88,28 @@ CONFIG = ROOT / "configs" / "vllm.yaml"
 DTYPE = "float32"  # bf16 matmuls are several times slower on CPUs without AMX
 POOL_BLOCKS = 48  # vLLM's own KV pool: 48 blocks of 128 tokens
 MAX_MODEL_LEN = (POOL_BLOCKS - 1) * 128  # one block of the pool is vLLM's own
-SERVER_ARGS = ["--dtype", DTYPE, "--gpu-memory-utilization", "0.3",
-               "--num-gpu-blocks-override", str(POOL_BLOCKS),
-               "--max-model-len", str(MAX_MODEL_LEN)]  # fmt: skip
+LONG_POOL_BLOCKS = 200  # the 8k servers' pool: three 8k-token prompts
+LONG_MODEL_LEN = 65 * 128  # an 8k-token prefix, its question and its reply
+
+
+def server_args(pool_blocks: int, max_model_len: int) -> list[str]:
+    """The machine's flags, and vLLM's pool and model length."""
+    return ["--dtype", DTYPE, "--gpu-memory-utilization", "0.3",
+            "--num-gpu-blocks-override", str(pool_blocks),
+            "--max-model-len", str(max_model_len)]  # fmt: skip
+
+
 SMALL_HOST = "64MiB"  # 4 prefixes of 2048 tokens of the demo Llama (8 KiB per token)
+LONG_HOST = "256MiB"  # 4 prefixes of 8192 tokens
 TRACE_TOKENS = 128  # tokens per hash id of the chat trace (its ids name 512-token blocks)
 CHAT_OUTPUT = 32  # tokens per reply in the chat workload
 CHAT_TIME_SCALE = 1 / 20  # the chat trace replayed 20 times faster than it was drawn
 BURST = 8  # requests in the burst, each on a prefix of its own
+QUESTION = 24  # tokens after the prefix in the spill and burst workloads' prompts
+QUESTION_IDS = itertools.count(1 << 31)  # trace ids of those questions, each its own
+SPILL_CONCURRENCY = 6  # requests in flight in the spill workloads
+SPILL_8K = ("alone 8k", "kvtier disk 8k", "kvtier disk 8k, no staging", "kvtier redis 8k",
+            "kvtier redis 8k, no staging")  # fmt: skip
 
 # Client metrics: (vllm.benchmarks.serve's key, label, higher is better)
 METRICS = [
@@ -102,19 +123,29 @@ METRICS = [
     ("output_throughput", "output tok/s", True),
 ]
 UNITS = {"output_throughput": "tok/s"}
-CEILINGS = {"alone": "vLLM alone", "noop": "vLLM with a connector doing nothing",
+CEILINGS = {"alone": "vLLM alone", "alone 8k": "vLLM alone",
+            "noop": "vLLM with a connector doing nothing",
             "kvtier": "kvtier, the prefixes in its host pool"}  # fmt: skip
 
 
 @dataclass(frozen=True)
 class Workload:
     """One run of vLLM's client: its arguments, the servers it runs on, and the client
-    arguments of an untimed run before it (``prime``), if any."""
+    arguments of untimed runs before it, if any: ``prime`` stores its prefixes (on a
+    ``restarted`` server, before the restart), ``warm`` runs on a restarted server
+    before the workload, on prefixes of its own, so that the engine has served traffic
+    of the workload's shape since it started, as a server in use has."""
 
     name: str
     args: list[str]
     servers: tuple[str, ...]
     prime: list[str] | None = None
+    warm: list[str] | None = None
+
+    @property
+    def alone(self) -> str:
+        """The server without a connector that the others are compared with."""
+        return self.servers[0]
 
 
 @dataclass(frozen=True)
@@ -126,6 +157,7 @@ class ServerSpec:
     small_host: bool = False
     staging: bool = True
     restarted: bool = False  # served the workloads' primes, then restarted on its tiers
+    long: bool = False  # vLLM's pool and model length for 8k-token prompts
 
 
 SERVERS = {
@@ -136,6 +168,11 @@ SERVERS = {
     "kvtier disk, no staging": ServerSpec("kvtier", small_host=True, staging=False),
     "kvtier redis": ServerSpec("kvtier", redis_only=True, small_host=True),
     "kvtier redis, no staging": ServerSpec("kvtier", True, True, staging=False),
+    "alone 8k": ServerSpec(long=True),
+    "kvtier disk 8k": ServerSpec("kvtier", small_host=True, long=True),
+    "kvtier disk 8k, no staging": ServerSpec("kvtier", small_host=True, staging=False, long=True),
+    "kvtier redis 8k": ServerSpec("kvtier", True, True, long=True),
+    "kvtier redis 8k, no staging": ServerSpec("kvtier", True, True, staging=False, long=True),
     "kvtier restarted": ServerSpec("kvtier", restarted=True),
     "kvtier restarted, no staging": ServerSpec("kvtier", staging=False, restarted=True),
     "kvtier redis restarted": ServerSpec("kvtier", redis_only=True, restarted=True),
@@ -178,6 +215,8 @@ TARGETS = [
         for w, s in (
             ("spill", "kvtier disk"),
             ("spill", "kvtier redis"),
+            ("spill 8k", "kvtier disk 8k"),
+            ("spill 8k", "kvtier redis 8k"),
             ("burst", "kvtier restarted"),
             ("burst", "kvtier redis restarted"),
         )
@@ -198,9 +237,9 @@ def workloads(quick: bool, work: Path) -> list[Workload]:
     """The workloads, smaller with ``quick``."""
     n = 1 if quick else 2
     kvtier = ("alone", "noop", "kvtier")
-    spill = ("alone", "noop", "kvtier disk", "kvtier redis")
+    spill_servers = ("alone", "noop", "kvtier disk")  # --quick: its spill tier is the disk
     if not quick:
-        spill += ("kvtier disk, no staging", "kvtier redis, no staging")
+        spill_servers += ("kvtier redis", "kvtier disk, no staging", "kvtier redis, no staging")
     chat = work / "chat.jsonl"
     lines = generate(WorkloadShape(duration_s=300, chat_rate=0.2, rag_rate=0, agent_rate=0,
                                    oneoff_rate=0), seed=0)  # fmt: skip
@@ -209,47 +248,71 @@ def workloads(quick: bool, work: Path) -> list[Workload]:
     fits = [x for x in lines if len(x["hash_ids"]) * TRACE_TOKENS + CHAT_OUTPUT <= MAX_MODEL_LEN]
     write_trace(chat, fits)
 
-    def prefixes(num: int, per: int, output: int) -> list[str]:
+    def prefixes(num: int, per: int, output: int, length: int = 2048) -> list[str]:
         return (
-            f"--dataset-name prefix_repetition --prefix-repetition-prefix-len 2048 "
+            f"--dataset-name prefix_repetition --prefix-repetition-prefix-len {length} "
             f"--prefix-repetition-suffix-len 64 --prefix-repetition-num-prefixes {num} "
             f"--prefix-repetition-output-len {output} --num-prompts {num * per}"
         ).split()
 
-    random = "--dataset-name random --random-input-len 256 --random-output-len 128"
+    unshared = "--dataset-name random --random-input-len 256 --random-output-len 128"
     trace = f"--dataset-name timed_trace --dataset-path {chat}"
     trace += f" --timed-trace-chunk-hash-size {TRACE_TOKENS}"
     trace += f" --timed-trace-sec-multiplier {CHAT_TIME_SCALE / 1000}"  # the trace's ms, sped up
     return [
-        Workload("random", f"{random} --num-prompts {12 * n} --max-concurrency 2".split(), kvtier),
+        Workload(
+            "random", f"{unshared} --num-prompts {12 * n} --max-concurrency 2".split(), kvtier
+        ),
         Workload("shared", [*prefixes(8, 3 * n, 32), "--max-concurrency", "2"], kvtier),
         Workload("chat", f"{trace} --num-prompts {24 * n} --max-concurrency 2".split(), kvtier),
-        Workload("spill", [*prefixes(12, 2 * n, 16), "--max-concurrency", "4"], spill),
+        spill(work, "spill", prefix_ids(1 << 29, 12, 16), 2 * n, spill_servers),
+        *([] if quick else [spill(work, "spill 8k", prefix_ids(3 << 29, 8, 64), 2, SPILL_8K)]),
         *([] if quick else [burst(work)]),
     ]
 
 
+def prefix_ids(first: int, count: int, runs: int) -> list[list[int]]:
+    """``count`` prefixes of ``runs`` ids each (a 128-token run of tokens per id), from
+    ``first`` on: ids of their own (the chat trace's tokens are drawn from ids too)."""
+    return [list(range(first + runs * i, first + runs * (i + 1))) for i in range(count)]
+
+
+def trace(work: Path, name: str, prompts: list[list[int]], output: int) -> list[str]:
+    """Client arguments that send ``prompts`` (prefix ids), each with a question of its
+    own (``QUESTION`` tokens), all at once, asking for ``output`` tokens each (vLLM's
+    ``timed_trace`` dataset)."""
+    path = work / f"{name.replace(' ', '-')}.jsonl"
+    write_trace(path, [{"timestamp": 0, "input_length": len(ids) * TRACE_TOKENS + QUESTION,
+                        "output_length": output, "hash_ids": [*ids, next(QUESTION_IDS)]}
+                       for ids in prompts])  # fmt: skip
+    return (f"--dataset-name timed_trace --dataset-path {path} --timed-trace-chunk-hash-size "
+            f"{TRACE_TOKENS} --num-prompts {len(prompts)}").split()  # fmt: skip
+
+
+def spill(
+    work: Path, name: str, prefixes: list[list[int]], per: int, servers: tuple[str, ...]
+) -> Workload:
+    """A ``spill`` workload: a prime computes each of ``prefixes`` once (more than the
+    host pool of the ``kvtier disk`` / ``redis`` servers holds, so most of them live on
+    disk or only in Redis), then ``per`` questions on each, in random order, arrive at
+    once, ``SPILL_CONCURRENCY`` in flight: more than vLLM's pool holds, so requests queue."""
+    prime = [*trace(work, f"{name} prime", prefixes, 1), "--max-concurrency", "1"]
+    order = random.Random(0).sample(prefixes * per, len(prefixes) * per)
+    timed = [*trace(work, name, order, 16), "--max-concurrency", str(SPILL_CONCURRENCY)]
+    return Workload(name, timed, servers, prime)
+
+
 def burst(work: Path) -> Workload:
-    """The ``burst`` workload: its prime and its burst, as traces of vLLM's
-    ``timed_trace`` dataset whose requests all arrive at once (ids of 128-token runs:
-    ``BURST`` 2k-token prefixes, a question of 24 tokens each)."""
-    first = 1 << 30  # ids of their own: the chat trace's tokens are drawn from ids too
-    prefixes = [list(range(first + 16 * i, first + 16 * i + 16)) for i in range(BURST + 3)]
-    question = itertools.count(first << 1)
-
-    def trace(name: str, prompts: list[list[int]]) -> list[str]:
-        path = work / f"burst-{name}.jsonl"
-        write_trace(path, [{"timestamp": 0, "input_length": 2048 + 24, "output_length": 4,
-                            "hash_ids": [*ids, next(question)]} for ids in prompts])  # fmt: skip
-        return (f"--dataset-name timed_trace --dataset-path {path} --timed-trace-chunk-hash-size "
-                f"{TRACE_TOKENS} --num-prompts {len(prompts)}").split()  # fmt: skip
-
+    """The ``burst`` workload: its prime and its burst (``BURST`` 2k-token prefixes, a
+    question each, all at once)."""
+    prefixes = prefix_ids(1 << 30, BURST + 3, 16)
     # The prime ends with 3 prompts that fill vLLM's pool (48 blocks): the burst's
-    # prefixes are then only in kvtier's tiers.
-    prime = [*trace("prime", prefixes), "--max-concurrency", "1"]
+    # prefixes are then only in kvtier's tiers. A restarted server is warmed with those 3.
+    prime = [*trace(work, "burst prime", prefixes, 4), "--max-concurrency", "1"]
+    warm = [*trace(work, "burst warm", prefixes[BURST:], 4), "--max-concurrency", "2"]
     servers = ("alone", "kvtier", "kvtier restarted", "kvtier restarted, no staging",
                "kvtier redis restarted", "kvtier redis restarted, no staging")  # fmt: skip
-    return Workload("burst", trace("burst", prefixes[:BURST]), servers, prime)
+    return Workload("burst", trace(work, "burst", prefixes[:BURST], 4), servers, prime, warm)
 
 
 class Servers:
@@ -286,7 +349,11 @@ class Servers:
         spec = SERVERS[name]
         self._started += 1
         env = dict(self.env)
-        args = list(SERVER_ARGS)
+        args = (
+            server_args(LONG_POOL_BLOCKS, LONG_MODEL_LEN)
+            if spec.long
+            else server_args(POOL_BLOCKS, MAX_MODEL_LEN)
+        )
         config = None
         if spec.connector == "noop":
             env["PYTHONPATH"] = str(Path(__file__).parent)
@@ -298,7 +365,7 @@ class Servers:
             if self.redis_url:
                 env["KVTIER_REDIS_URL"] = self.redis_url
             if spec.small_host:
-                env["KVTIER_CPU_CAPACITY"] = SMALL_HOST
+                env["KVTIER_CPU_CAPACITY"] = LONG_HOST if spec.long else SMALL_HOST
             if not spec.staging:
                 env["KVTIER_STAGE_SHARE"] = "0"
         log = self.work / f"vllm-{self._started}-{name.replace(' ', '-').replace(',', '')}.log"
@@ -311,9 +378,9 @@ class Servers:
             delete_prefix(self.redis_url, prefix)
 
 
-def drive(server: VLLMServer, workload: Workload, log: Path, prime: bool = False) -> Run:
+def drive(server: VLLMServer, workload: Workload, log: Path, args: list[str] | None = None) -> Run:
     """Run vLLM's serving client on ``server`` (its output goes to ``log``): the
-    workload, or its ``prime``."""
+    workload, or client ``args`` of its (its prime, its warm-up)."""
     from vllm.benchmarks.serve import add_cli_args
     from vllm.benchmarks.serve import main as serve
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -324,7 +391,7 @@ def drive(server: VLLMServer, workload: Workload, log: Path, prime: bool = False
         "--base-url", server.url, "--model", server.model, "--temperature", "0",
         "--seed", "0", "--save-detailed", "--disable-tqdm",
         "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
-        *(workload.prime if prime else workload.args),
+        *(args or workload.args),
     ])  # fmt: skip
     before = server.metrics()
     with open(log, "a") as out, contextlib.redirect_stdout(out):
@@ -365,11 +432,12 @@ def run(args: Any) -> tuple[list[Result], dict[str, Any]]:
             if SERVERS[name].restarted:
                 with servers.start(name, tiers) as server:
                     for workload in (w for w in mine if w.prime):
-                        drive(server, workload, log, prime=True)
+                        drive(server, workload, log, workload.prime)
             with servers.start(name, tiers) as server:
                 for workload in mine:
-                    if workload.prime and not SERVERS[name].restarted:
-                        drive(server, workload, log, prime=True)
+                    before = workload.warm if SERVERS[name].restarted else workload.prime
+                    if before:
+                        drive(server, workload, log, before)
                     runs[workload.name, name].append(drive(server, workload, log))
     finally:
         servers.clean()
@@ -388,9 +456,9 @@ def rows(plan: list[Workload], names: list[str], runs: dict) -> list[Result]:
                 mine = [run.metrics[key] for run in runs[workload.name, name]]
                 case = (workload.name, name, key)
                 targets = {t.against: t.ratio for t in TARGETS if t.case == case}
-                against = [a for a in ("alone", *targets) if a != name and a in ran]
-                if name == "alone":
-                    out.append(Result(f"{workload.name}: alone {label}", label,
+                against = [a for a in (workload.alone, *targets) if a != name and a in ran]
+                if name == workload.alone:
+                    out.append(Result(f"{workload.name}: {name} {label}", label,
                                       UNITS.get(key, "ms"), *summarize(mine),
                                       higher_is_better=higher))  # fmt: skip
                 for other in dict.fromkeys(against):
@@ -409,8 +477,8 @@ def details(plan: list[Workload], names: list[str], runs: dict) -> dict[str, Any
     replies: dict[str, dict[str, list[int]]] = {}
     hooks: dict[str, dict[str, dict[str, float]]] = {}
     for workload in plan:
-        alone = runs[workload.name, "alone"]
-        for name in (s for s in workload.servers if s in names and s != "alone"):
+        alone = runs[workload.name, workload.alone]
+        for name in (s for s in workload.servers if s in names and s != workload.alone):
             mine = runs[workload.name, name]
             equal = sum(a == b for x, y in zip(alone, mine) for a, b in zip(x.texts, y.texts))
             total = sum(len(x.texts) for x in mine)
@@ -467,8 +535,9 @@ def print_details(details: dict[str, Any]) -> None:
 def main() -> int:
     parser = standard_args(__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, help="times each server runs (default 3; 1 quick)")
-    parser.add_argument("--workloads", nargs="+", metavar="NAME", help="run only these "
-                        "workloads (random shared chat spill burst; default: all)")  # fmt: skip
+    parser.add_argument("--workloads", nargs="+", metavar="NAME",
+                        help="run only these workloads (random shared chat spill 'spill 8k' "
+                        "burst; default: all)")  # fmt: skip
     parser.add_argument(
         "--vllm-default-cores", action="store_true",
         help="leave VLLM_CPU_NUM_OF_RESERVED_CPU unset (vLLM's own core reservation)",
