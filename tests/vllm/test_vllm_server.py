@@ -12,7 +12,8 @@ machine does not have free) and ``--num-gpu-blocks-override`` (vLLM's own KV poo
 as small relative to the traffic as a GPU's is under load, so that a shared prefix
 leaves it and comes back from kvtier). kvtier's servers run with
 ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``, as the README tells users of vLLM's CPU build on a
-small machine.
+small machine. The restarted server also publishes vLLM's KV events
+(``--kv-events-config``, as the README shows for routers), read by ``kvtier.events``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import pytest
 from conftest import VOCAB
 from redis_servers import delete_prefix, unique_prefix
 
+from kvtier.events import Subscriber
 from kvtier.tiers.lmdb import LMDBTier
 
 vllm_server = pytest.importorskip("kvtier.integrations.vllm_server")
@@ -130,10 +132,18 @@ def test_a_shared_prefix_evicted_from_vllm_comes_back_from_kvtiers_host_pool(fir
 
 
 @pytest.fixture(scope="module")
-def restarted(tiny_model, space, first_run) -> Iterator[VLLMServer]:
+def events_port() -> int:
+    """Where ``restarted`` publishes vLLM's KV events (and kvtier's with them)."""
+    return vllm_server._free_port()
+
+
+@pytest.fixture(scope="module")
+def restarted(tiny_model, space, first_run, events_port) -> Iterator[VLLMServer]:
     """A server started after ``first_run``'s: its host pool is empty, its disk holds
-    the prefix and the fillers."""
-    with space.server(tiny_model, []) as server:
+    the prefix and the fillers. It publishes KV events (``--kv-events-config``)."""
+    events = {"enable_kv_cache_events": True, "publisher": "zmq",
+              "endpoint": f"tcp://*:{events_port}"}  # fmt: skip
+    with space.server(tiny_model, ["--kv-events-config", json.dumps(events)]) as server:
         yield server
 
 
@@ -188,6 +198,72 @@ def test_clients_hanging_up_while_their_prefixes_stage_leave_no_host_slot_pinned
     assert _metric(restarted, "vllm:kvtier_staged_blocks_total") > 0
     assert _metric(restarted, "vllm:kvtier_host_pinned_blocks") == 0
     assert restarted.complete(QUESTIONS[0]).tokens == reference[0]
+
+
+def _settle(sub: Subscriber, quiet: float = 1.5, timeout: float = 60) -> list:
+    """Every event batch until none came for ``quiet`` seconds (spill writes land
+    after the reply), as (replica, events)."""
+    out: list = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        batches = sub.poll(quiet)
+        if not batches:
+            break
+        out += batches
+    return out
+
+
+def _tiers_of_prefix(sub: Subscriber, endpoint: str, prefix: list[int]) -> dict[str, int]:
+    """How many of ``prefix``'s blocks each tier holds (any tier, not only the best)."""
+    view = sub.fleet.views[endpoint]
+    out: dict[str, int] = {}
+    parent = None
+    for start in range(0, len(prefix), BLOCK):
+        h = view.children.get((parent, tuple(prefix[start : start + BLOCK])))
+        if h is None:
+            break
+        for tier in view.blocks[h].tiers:
+            out[tier] = out.get(tier, 0) + 1
+        parent = h
+    return out
+
+
+def test_kvtiers_tiers_are_announced_and_a_router_sees_where_the_next_hit_comes_from(
+    restarted, events_port
+):
+    """A ``kvtier.events`` subscriber keeps the router's view while a prompt with a new
+    2k-token prefix is served, other traffic pushes the prefix out of vLLM's small KV
+    pool, and the prefix is asked again: the view must say where each block is, and the
+    server's own counters of cached tokens by source must agree with it."""
+    prefix = _tokens(2048, seed=200)
+    first, second = (prefix + _tokens(64, seed=201 + i) for i in range(2))
+    endpoint = f"tcp://127.0.0.1:{events_port}"
+    blocks = len(prefix) // BLOCK
+    sub = Subscriber([endpoint])
+    try:
+        time.sleep(1)  # the subscription reaches the publisher
+        _serve(restarted, first)
+        stored = {e.get("ownership") or e["medium"] for _, b in _settle(sub) for e in b
+                  if e["type"] == "BlockStored"}  # fmt: skip
+        assert {"GPU", "kvtier:cpu", "kvtier:disk"} <= stored
+        assert _tiers_of_prefix(sub, endpoint, prefix)["cpu"] == blocks
+
+        for i in range(3):  # pushes the prefix out of vLLM's 40 blocks
+            restarted.complete(_tokens(2112, seed=210 + i), max_tokens=1)
+        after = _settle(sub)
+        assert any(e["type"] == "BlockRemoved" and e["medium"] == "GPU"
+                   for _, b in after for e in b)  # fmt: skip
+        tiers = _tiers_of_prefix(sub, endpoint, prefix)
+        assert tiers["cpu"] == tiers["disk"] == blocks  # kvtier still holds it
+        assert tiers.get("gpu", 0) < blocks
+
+        said = sub.fleet.match(second)[0].blocks_per_tier()
+        _, sources = _serve(restarted, second)
+        assert said.get("gpu", 0) * BLOCK == sources.get("device", 0)
+        assert said.get("cpu", 0) * BLOCK == sources.get("host", 0) > 0
+        assert sum(said.values()) == blocks
+    finally:
+        sub.close()
 
 
 def test_the_connector_does_not_warn_of_the_core_binding_with_the_readmes_setting(space, first_run):
