@@ -32,8 +32,9 @@ vllm: setup
 demo: setup
 	$(VENV)/bin/kvtier demo
 
+# The slowest tests are listed at the end: the suite is kept under 10 minutes.
 test: setup $(if $(VLLM),vllm)
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=15
 
 lint: setup
 	$(VENV)/bin/ruff check kvtier tests benchmarks examples
