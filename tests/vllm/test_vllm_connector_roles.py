@@ -465,10 +465,8 @@ def test_host_slots_a_load_holds_are_reported_pinned_until_it_is_over(
 ):
     chain = _hashes(26, 4)
     _on_disk(tiny_model, engines, _disk(tmp_path), chain)
-    engine = engines(tiny_model, {**_disk(tmp_path), "transfer": {"io_threads": 1}})
+    engine, gate = _busy_io(tiny_model, engines, tmp_path)
     worker = engine.workers[0]
-    gate = threading.Event()
-    worker.cache.transfer.submit(gate.wait, 30)  # the only I/O worker is busy
     engine.admit(_request("r", chain), [5, 6, 7, 8, 9])
     engine.step({})  # the load is pinned and waits for the I/O worker
     pinned = worker.get_kv_connector_stats().data[PINNED]
@@ -485,6 +483,14 @@ def _on_disk(tiny_model, engines, config: dict, chain: list[bytes], tp: int = 1)
     saved = writer.kv(0, list(range(len(chain))))
     writer.close()
     return saved
+
+
+def _busy_io(tiny_model, engines, tmp_path) -> tuple[Engine, threading.Event]:
+    """An engine over the disk tier whose only I/O worker is busy until the gate is set."""
+    engine = engines(tiny_model, {**_disk(tmp_path), "transfer": {"io_threads": 1}})
+    gate = threading.Event()
+    engine.workers[0].cache.transfer.submit(gate.wait, 30)
+    return engine, gate
 
 
 def _staged(engine: Engine) -> list[int]:
@@ -517,9 +523,7 @@ def test_a_request_scheduled_while_its_stage_reads_waits_for_it_and_nothing_is_r
 ):
     chain = _hashes(21, 4)
     _on_disk(tiny_model, engines, _disk(tmp_path), chain)
-    engine = engines(tiny_model, {**_disk(tmp_path), "transfer": {"io_threads": 1}})
-    gate = threading.Event()
-    engine.workers[0].cache.transfer.submit(gate.wait, 30)  # the only I/O worker is busy
+    engine, gate = _busy_io(tiny_model, engines, tmp_path)
     request = _request("r", chain)
     engine.arrive(request)  # the stage went to the worker with this step, and waits
     assert engine.scheduler.get_num_new_matched_tokens(request, 0) == (None, False)
@@ -536,9 +540,7 @@ def test_a_request_whose_stage_reads_is_not_looked_up_again_while_it_waits(
 ):
     chain = _hashes(25, 4)
     _on_disk(tiny_model, engines, _disk(tmp_path), chain)
-    engine = engines(tiny_model, {**_disk(tmp_path), "transfer": {"io_threads": 1}})
-    gate = threading.Event()
-    engine.workers[0].cache.transfer.submit(gate.wait, 30)  # the only I/O worker is busy
+    engine, gate = _busy_io(tiny_model, engines, tmp_path)
     request = _request("r", chain)
     engine.arrive(request)
     lookups = []
