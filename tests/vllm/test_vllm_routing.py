@@ -24,7 +24,7 @@ from test_vllm_server import BLOCK, _tokens
 vllm_server = pytest.importorskip("kvtier.integrations.vllm_server")
 VLLMServer = vllm_server.VLLMServer
 
-pytestmark = [pytest.mark.vllm, pytest.mark.replicas, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.vllm, pytest.mark.long, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[2]
 ARGS = [

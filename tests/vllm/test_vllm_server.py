@@ -271,6 +271,7 @@ def test_the_connector_does_not_warn_of_the_core_binding_with_the_readmes_settin
     assert BINDING_WARNING not in space.logs()
 
 
+@pytest.mark.long
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) != 2, reason="the binding collapses on 2 CPUs")
 def test_the_connector_warns_when_vllm_binds_compute_threads_to_every_cpu(tiny_model, space):
     """Without ``VLLM_CPU_NUM_OF_RESERVED_CPU``, vLLM reserves both CPUs of this machine
@@ -284,6 +285,7 @@ def test_the_connector_warns_when_vllm_binds_compute_threads_to_every_cpu(tiny_m
     assert "VLLM_CPU_NUM_OF_RESERVED_CPU=1" in log.read_text()
 
 
+@pytest.mark.long
 def test_tensor_parallel_2_hits_host_and_disk_and_replies_as_without_kvtier(
     tiny_model, tmp_path_factory, real_client, reference
 ):
