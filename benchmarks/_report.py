@@ -213,6 +213,27 @@ def print_table(results: Sequence[Result], title: str | None = None) -> None:
         print(f"ceiling: {what}")
 
 
+def report_cpu_run(
+    benchmark: str,
+    quick: bool,
+    details: str,
+    results: Sequence[Result],
+    out: str | None,
+    load_before: float,
+) -> None:
+    """Print a CPU benchmark's headline (the machine, ``details``, the load average
+    before the run and now) and its table; write its JSON to ``out`` when given."""
+    machine = machine_info("cpu")
+    print(
+        f"{benchmark}{' --quick' if quick else ''}: {machine['cpu']}, {machine['cores']} "
+        f"cores, torch {machine['torch']}; {details}; load average {load_before:.2f} "
+        f"before, {os.getloadavg()[0]:.2f} after"
+    )
+    print_table(results)
+    if out:
+        write_json(out, benchmark, results, machine)
+
+
 def write_json(
     path: str | os.PathLike[str],
     benchmark_name: str,

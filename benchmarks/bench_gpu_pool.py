@@ -50,15 +50,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from _report import (
-    Result,
-    machine_info,
-    measure_samples,
-    print_table,
-    standard_args,
-    summarize,
-    write_json,
-)
+from _report import Result, measure_samples, report_cpu_run, standard_args, summarize
 from kvtier._core import UseCounts
 
 from kvtier.block_manager import BlockManager
@@ -562,18 +554,11 @@ def main() -> int:
     bench = Bench(args.quick, args.eviction)
     load_before = os.getloadavg()[0]
     bench.run()
-    results = bench.results()
-    machine = machine_info("cpu")
-    print(
-        f"{BENCHMARK}{' --quick' if args.quick else ''} --eviction {args.eviction}: "
-        f"{machine['cpu']}, "
-        f"{machine['cores']} cores, torch {machine['torch']}; {bench.rounds} rounds x "
-        f"{bench.per_round} samples (x4 for 4k prompts), each after 1 warm-up; "
-        f"load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after"
+    details = (
+        f"--eviction {args.eviction}; {bench.rounds} rounds x {bench.per_round} samples "
+        f"(x4 for 4k prompts), each after 1 warm-up"
     )
-    print_table(results)
-    if args.out:
-        write_json(args.out, BENCHMARK, results, machine)
+    report_cpu_run(BENCHMARK, args.quick, details, bench.results(), args.out, load_before)
     return 0
 
 

@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from _report import Result, machine_info, print_table, standard_args, summarize, write_json
+from _report import Result, report_cpu_run, standard_args, summarize
 from kvtier._core import Copier
 
 from kvtier.chunk import byte_rows
@@ -225,18 +225,12 @@ def main() -> int:
     start = time.perf_counter()
     bench = Bench(args.quick, args.pool_mib, args.copy_mib)
     bench.run()
-    results = bench.results()
-    machine = machine_info("cpu")
-    print(
-        f"{BENCHMARK}{' --quick' if args.quick else ''}: {machine['cpu']}, "
-        f"{machine['cores']} cores, torch {machine['torch']}; layout {LAYOUT.describe()}; "
-        f"fresh pageable pool of {args.pool_mib} MiB, copy of {args.copy_mib} MiB; "
-        f"{bench.rounds} rounds after 1 warm-up; load average {load_before:.2f} before, "
-        f"{os.getloadavg()[0]:.2f} after; {time.perf_counter() - start:.0f} s"
+    details = (
+        f"layout {LAYOUT.describe()}; fresh pageable pool of {args.pool_mib} MiB, copy of "
+        f"{args.copy_mib} MiB; {bench.rounds} rounds after 1 warm-up, "
+        f"{time.perf_counter() - start:.0f} s"
     )
-    print_table(results)
-    if args.out:
-        write_json(args.out, BENCHMARK, results, machine)
+    report_cpu_run(BENCHMARK, args.quick, details, bench.results(), args.out, load_before)
     return 0
 
 
