@@ -52,7 +52,8 @@ def present(tier: LMDBTier, keys: list[bytes]) -> list[int]:
 
 
 def run_child(script: str, *args: object, timeout: float = 30) -> subprocess.Popen[str]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS)]))
+    path = [str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")]  # kvtier, then its deps
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     code = textwrap.dedent(script)
     return subprocess.Popen(
         [sys.executable, "-c", code, *map(str, args)],

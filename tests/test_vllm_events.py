@@ -165,7 +165,7 @@ def test_metadata_of_blocks_no_tier_holds_is_kept_only_for_the_most_recent(monke
 
 
 def test_events_convert_to_vllms_block_stored_and_removed():
-    pytest.importorskip("vllm")
+    pytest.importorskip("vllm.distributed.kv_events")
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as as_vllm  # GPU events'
 

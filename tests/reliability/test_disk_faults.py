@@ -75,7 +75,8 @@ def decode_all(tier: LMDBTier, codec: ChunkCodec) -> tuple[int, list[str]]:
 
 
 def run_child(script: str, *args: object) -> subprocess.Popen[str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    path = [str(ROOT), os.environ.get("PYTHONPATH", "")]  # kvtier, then its deps
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     return subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(script), *map(str, args)],
         env=env,
