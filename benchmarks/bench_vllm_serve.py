@@ -34,7 +34,9 @@ serve``), greedy (``--temperature 0``), in this process. Workloads:
 - ``spill``: a prime (untimed) computes 12 prefixes of 2k tokens, three times what
   the host pool of ``kvtier disk`` / ``kvtier redis`` holds, so most of them live on
   disk or only in Redis; then questions on them arrive at once, more in flight than
-  vLLM's pool holds, so requests queue and their hits come from disk or Redis.
+  vLLM's pool holds, so requests queue and their hits come from disk or Redis. Every
+  server is also compared with ``kvtier``, whose host pool holds every prefix: the
+  most any staging could give.
 - ``spill 8k``: the same at 8k-token prefixes, on servers of their own (``... 8k``:
   vLLM's pool and model length for such prompts, a host pool of four such prefixes).
   (Not in ``--quick``.)
@@ -108,8 +110,9 @@ BURST = 8  # requests in the burst, each on a prefix of its own
 QUESTION = 24  # tokens after the prefix in the spill and burst workloads' prompts
 QUESTION_IDS = itertools.count(1 << 31)  # trace ids of those questions, each its own
 SPILL_CONCURRENCY = 6  # requests in flight in the spill workloads
-SPILL_8K = ("alone 8k", "kvtier disk 8k", "kvtier disk 8k, no staging", "kvtier redis 8k",
-            "kvtier redis 8k, no staging")  # fmt: skip
+SPILL_8K = (("alone 8k", "kvtier 8k", "kvtier disk 8k", "kvtier disk 8k, no staging",
+             "kvtier redis 8k", "kvtier redis 8k, no staging"), "kvtier 8k")  # fmt: skip
+# (the spill 8k servers, and the one whose host pool holds every prefix)
 
 # Client metrics: (vllm.benchmarks.serve's key, label, higher is better)
 METRICS = [
@@ -125,7 +128,8 @@ METRICS = [
 UNITS = {"output_throughput": "tok/s"}
 CEILINGS = {"alone": "vLLM alone", "alone 8k": "vLLM alone",
             "noop": "vLLM with a connector doing nothing",
-            "kvtier": "kvtier, the prefixes in its host pool"}  # fmt: skip
+            "kvtier": "kvtier, the prefixes in its host pool",
+            "kvtier 8k": "kvtier, the prefixes in its host pool"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -141,6 +145,7 @@ class Workload:
     servers: tuple[str, ...]
     prime: list[str] | None = None
     warm: list[str] | None = None
+    ceiling: str | None = None  # a server every other one is also compared with
 
     @property
     def alone(self) -> str:
@@ -169,6 +174,7 @@ SERVERS = {
     "kvtier redis": ServerSpec("kvtier", redis_only=True, small_host=True),
     "kvtier redis, no staging": ServerSpec("kvtier", True, True, staging=False),
     "alone 8k": ServerSpec(long=True),
+    "kvtier 8k": ServerSpec("kvtier", long=True),
     "kvtier disk 8k": ServerSpec("kvtier", small_host=True, long=True),
     "kvtier disk 8k, no staging": ServerSpec("kvtier", small_host=True, staging=False, long=True),
     "kvtier redis 8k": ServerSpec("kvtier", True, True, long=True),
@@ -237,7 +243,7 @@ def workloads(quick: bool, work: Path) -> list[Workload]:
     """The workloads, smaller with ``quick``."""
     n = 1 if quick else 2
     kvtier = ("alone", "noop", "kvtier")
-    spill_servers = ("alone", "noop", "kvtier disk")  # --quick: its spill tier is the disk
+    spill_servers = ("alone", "noop", "kvtier", "kvtier disk")  # --quick: spill to disk only
     if not quick:
         spill_servers += ("kvtier redis", "kvtier disk, no staging", "kvtier redis, no staging")
     chat = work / "chat.jsonl"
@@ -265,8 +271,8 @@ def workloads(quick: bool, work: Path) -> list[Workload]:
         ),
         Workload("shared", [*prefixes(8, 3 * n, 32), "--max-concurrency", "2"], kvtier),
         Workload("chat", f"{trace} --num-prompts {24 * n} --max-concurrency 2".split(), kvtier),
-        spill(work, "spill", prefix_ids(1 << 29, 12, 16), 2 * n, spill_servers),
-        *([] if quick else [spill(work, "spill 8k", prefix_ids(3 << 29, 8, 64), 2, SPILL_8K)]),
+        spill(work, "spill", prefix_ids(1 << 29, 12, 16), 2 * n, spill_servers, "kvtier"),
+        *([] if quick else [spill(work, "spill 8k", prefix_ids(3 << 29, 8, 64), 2, *SPILL_8K)]),
         *([] if quick else [burst(work)]),
     ]
 
@@ -290,7 +296,12 @@ def trace(work: Path, name: str, prompts: list[list[int]], output: int) -> list[
 
 
 def spill(
-    work: Path, name: str, prefixes: list[list[int]], per: int, servers: tuple[str, ...]
+    work: Path,
+    name: str,
+    prefixes: list[list[int]],
+    per: int,
+    servers: tuple[str, ...],
+    ceiling: str,
 ) -> Workload:
     """A ``spill`` workload: a prime computes each of ``prefixes`` once (more than the
     host pool of the ``kvtier disk`` / ``redis`` servers holds, so most of them live on
@@ -299,7 +310,7 @@ def spill(
     prime = [*trace(work, f"{name} prime", prefixes, 1), "--max-concurrency", "1"]
     order = random.Random(0).sample(prefixes * per, len(prefixes) * per)
     timed = [*trace(work, name, order, 16), "--max-concurrency", str(SPILL_CONCURRENCY)]
-    return Workload(name, timed, servers, prime)
+    return Workload(name, timed, servers, prime, ceiling=ceiling)
 
 
 def burst(work: Path) -> Workload:
@@ -456,7 +467,8 @@ def rows(plan: list[Workload], names: list[str], runs: dict) -> list[Result]:
                 mine = [run.metrics[key] for run in runs[workload.name, name]]
                 case = (workload.name, name, key)
                 targets = {t.against: t.ratio for t in TARGETS if t.case == case}
-                against = [a for a in (workload.alone, *targets) if a != name and a in ran]
+                refs = (workload.alone, workload.ceiling, *targets)
+                against = [a for a in refs if a != name and a in ran]
                 if name == workload.alone:
                     out.append(Result(f"{workload.name}: {name} {label}", label,
                                       UNITS.get(key, "ms"), *summarize(mine),
