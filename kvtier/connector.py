@@ -353,6 +353,7 @@ class _Load:
     transfer: Transfer | None = None
     error: BaseException | None = None
     cancelled: bool = False  # a stage whose request went away: not read if not begun
+    inline: bool = False  # a host-only load copied by ``load`` itself, not on a worker
     finished: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -557,15 +558,18 @@ class ConnectorCache:
         """Host slots that loads, stages and saves in flight hold (none at rest)."""
         return self.host.num_blocks - self.host.num_free
 
-    def load(self, req_id: str) -> None:
+    def load(self, req_id: str, asynchronous: bool = False) -> None:
         """Start the pinned load of ``req_id``. A host-only load is copied here (queued
         on the load stream after the engine's current work on CUDA, so the engine's next
-        kernels see it); spill reads run on an I/O worker. Never raises for a failure:
-        ``finished_loads`` reports it."""
+        kernels see it) unless ``asynchronous``: the engine computes meanwhile and
+        uses the blocks only once ``finished_loads`` has reported them. Spill reads
+        always run on an I/O worker. Never raises for a failure: ``finished_loads``
+        reports it."""
         with self._lock:
             p = self._loads[req_id]
             p.started = time.perf_counter()
-            if not p.runs:
+            if not p.runs and not asynchronous:
+                p.inline = True
                 self._copy_up(p, p.host_slots, after=None)
                 if self._cuda:
                     p.transfer.order_current_stream()
@@ -588,7 +592,7 @@ class ConnectorCache:
             done = [
                 (r, p)
                 for r, p in self._loads.items()
-                if p.started and (p.finished.is_set() if p.runs else p.transfer.done())
+                if p.started and (p.transfer.done() if p.inline else p.finished.is_set())
             ]
             out = []
             for req_id, p in done:
@@ -669,13 +673,12 @@ class ConnectorCache:
         self.below.flush()
 
     def wait_loads(self, timeout: float | None = None) -> None:
-        """Wait until the spill reads (and their copies up) of every started load and
-        stage are over, or ``timeout`` seconds have passed; ``finished_loads`` then
-        reports those over (host-only loads are copies that ``load`` itself ran or
-        queued)."""
+        """Wait until every started load and stage that runs on a worker is over, or
+        ``timeout`` seconds have passed; ``finished_loads`` then reports those over
+        (the others are copies that ``load`` itself ran or queued)."""
         with self._lock:
             loads = (*self._loads.values(), *self._stages.values())
-            reading = [p for p in loads if p.runs and p.started]
+            reading = [p for p in loads if p.started and not p.inline]
         deadline = None if timeout is None else time.monotonic() + timeout
         for p in reading:
             left = None if deadline is None else deadline - time.monotonic()
@@ -738,9 +741,11 @@ class ConnectorCache:
         try:
             if p.cancelled:
                 return
-            p.result = self.spill.load(p.runs, p.spill_slots)
-            p.times.read = time.time()
-            valid = len(p.host_slots) + p.result.num_blocks
+            valid = len(p.host_slots)
+            if p.runs:
+                p.result = self.spill.load(p.runs, p.spill_slots)
+                p.times.read = time.time()
+                valid += p.result.num_blocks
             if p.blocks:  # a stage only reads
                 self._copy_up(p, p.slots[:valid], after)
                 error = p.transfer.join()
@@ -773,7 +778,7 @@ class ConnectorCache:
     def _settle(self, req_id: str, p: _Load) -> None:
         """Count a finished load, publish what it read from the spill tiers, unpin."""
         stats = self._stats["cpu"]
-        if not p.runs:  # host-only: the copy is the whole load
+        if p.inline:  # the copy is the whole load
             error = p.transfer.join()
             if error is None:
                 p.valid = len(p.host_slots)

@@ -27,9 +27,11 @@ process or the same one. They share no memory; they talk only through vLLM's cha
 
 Scheduler side. ``get_num_new_matched_tokens`` looks up the blocks past vLLM's own hit
 (never the prompt's last token: vLLM needs its logits) in the index and the spill
-tiers; a hit that needs spill reads loads asynchronously, a host-only hit is copied
-before the step's forward. Worker side. ``register_kv_caches`` adopts vLLM's per-layer
-KV tensors (blocks on dim 0, any strides), ``start_load_kv`` starts the loads,
+tiers. A hit that needs spill reads loads asynchronously; so does a host-only hit
+while other requests run, its copy overlapping their step instead of lengthening it
+(decode latency); with none running it is copied before the step's forward, so that
+the request computes in that step. Worker side. ``register_kv_caches`` adopts vLLM's
+per-layer KV tensors (blocks on dim 0, any strides), ``start_load_kv`` starts the loads,
 ``wait_for_save`` copies the step's new full blocks into the host pool (on CUDA on the
 offload stream, with vLLM's stream waiting on its event, so no block can be reused
 before it is copied: vLLM may free a finished request's blocks at once).
@@ -133,6 +135,11 @@ IDLE_STEP_WAIT = 0.02
 # Seconds a request vLLM would schedule while its stage is under way waits for the stage
 # (vLLM asks again each step); past them its load reads what the stage has not.
 STAGE_PATIENCE = 2.0
+# Seconds a waiting request's lookup answers vLLM's later asks (it asks in every step
+# while the request cannot be scheduled): a spill-tier lookup is a read, a Redis one a
+# round trip, on the scheduler's critical path. A stale answer costs at most a miss or a
+# load error (recomputed), as an index not yet updated does.
+LOOKUP_REUSE = 0.1
 
 # Where vLLM's hit sources name kvtier's tiers; Redis is a remote store.
 HIT_SOURCES: dict[str, CacheHitSource] = {
@@ -232,6 +239,17 @@ class KVTierMetadata(KVConnectorMetadata):
     unstaged: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class _Lookup:
+    """A lookup's answer for blocks ``start..wanted`` of a request, made at ``at``
+    (``time.monotonic()``)."""
+
+    at: float
+    start: int
+    wanted: int
+    hit: ConnectorHit
+
+
 @dataclass
 class _RequestState:
     """Scheduler-side state of one request."""
@@ -249,6 +267,7 @@ class _RequestState:
     looked_up: bool = False  # get_num_new_matched_tokens has seen it
     staging: set[str] = field(default_factory=set)  # shards whose stage of it is not over
     staged_at: float = 0.0  # when its stage went to the workers (time.monotonic())
+    last_lookup: _Lookup | None = None  # reused for ``LOOKUP_REUSE`` seconds
 
 
 def shard_name(parallel: ParallelConfig) -> str:
@@ -328,6 +347,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self._requests: dict[str, _RequestState] = {}
         self._loads: list[LoadSpec] = []
         self._unscheduled: dict[str, _RequestState] = {}  # arrived or looked up this step
+        self._running: set[str] = set()  # requests of the last step, unless finished since
         self._unstaged: list[str] = []
         cpu = self.config.tiers.cpu
         self._staging = cpu is not None and cpu.stage_share > 0
@@ -493,7 +513,7 @@ class KVTierConnector(KVConnectorBase_V1):
         keys, parent = self._shard_chain(spec.keys, spec.parent)
         cache.pin(spec.req_id, keys, parent, spec.hit, spec.block_ids)
         try:
-            cache.load(spec.req_id)
+            cache.load(spec.req_id, spec.asynchronous)
         except BaseException:
             cache.abandon(spec.req_id)
             raise
@@ -573,10 +593,11 @@ class KVTierConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """Tokens past vLLM's own hit held below it; async when spill tiers must be read.
-        None while the request's stage is reading its spill part (at most
-        ``STAGE_PATIENCE``): vLLM asks again in a later step, and by then it is a host
-        hit."""
+        """Tokens past vLLM's own hit held below it; async when spill tiers must be read
+        or other requests are running (module docstring). A request that waits is looked
+        up once per ``LOOKUP_REUSE`` seconds, not in every step. None while the request's
+        stage is reading its spill part (at most ``STAGE_PATIENCE``): vLLM asks again in a
+        later step, and by then it is a host hit."""
         state = self._state(request)
         state.hit, state.asynchronous, state.looked_up = None, False, True
         if state.staging and time.monotonic() - state.staged_at < STAGE_PATIENCE:
@@ -594,7 +615,8 @@ class KVTierConnector(KVConnectorBase_V1):
             self.trace.event("lookup", request.request_id, start, seconds=seconds, blocks=blocks)
         if hit is None or not hit.num_blocks:
             return 0, False
-        state.hit, state.asynchronous = hit, bool(hit.spill)
+        others_run = bool(self._running.difference((request.request_id,)))
+        state.hit, state.asynchronous = hit, bool(hit.spill) or others_run
         if self._staging and hit.spill:  # staged at the step's end unless vLLM runs it now
             self._unscheduled[request.request_id] = state
         return hit.num_blocks * self.block_size, state.asynchronous
@@ -647,6 +669,7 @@ class KVTierConnector(KVConnectorBase_V1):
             loads=self._loads, reset=self._reset, idle=idle, stages=stages, unstaged=self._unstaged
         )
         self._loads, self._reset, self._unstaged = [], False, []
+        self._running = set(scheduler_output.num_scheduled_tokens)
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(req_id)
             if state is not None and state.loaded and not state.computing and num_new:
@@ -692,6 +715,7 @@ class KVTierConnector(KVConnectorBase_V1):
         A stage of the request still under way need not be read any more."""
         state = self._requests.pop(request.request_id, None)
         self._unscheduled.pop(request.request_id, None)
+        self._running.discard(request.request_id)
         if state is not None and state.staging:
             self._unstaged.append(request.request_id)
         return False, None
@@ -717,7 +741,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self._unscheduled.clear()
         for state in self._requests.values():
             state.keys.clear()
-            state.hit = None
+            state.hit = state.last_lookup = None
             state.saves = False
             state.staging.clear()
         return True
@@ -728,7 +752,12 @@ class KVTierConnector(KVConnectorBase_V1):
         start = num_computed_tokens // self.block_size
         if start >= wanted or state.failed:
             return None
-        return self.index.lookup(self._keys(state)[:wanted], start)
+        last, now = state.last_lookup, time.monotonic()
+        if last and (last.start, last.wanted) == (start, wanted) and now - last.at < LOOKUP_REUSE:
+            return last.hit
+        hit = self.index.lookup(self._keys(state)[:wanted], start)
+        state.last_lookup = _Lookup(now, start, wanted, hit)
+        return hit
 
     def _stage_spec(self, state: _RequestState) -> StageSpec | None:
         """The stage of the spill-tier part of a waiting request's hit: the one its
@@ -738,7 +767,7 @@ class KVTierConnector(KVConnectorBase_V1):
             return None
         keys = self._keys(state)[: (state.request.num_tokens - 1) // self.block_size]
         hit = state.hit if state.looked_up else self.index.lookup(keys, 0)
-        state.hit = None  # staged once: a later lookup gives it a new hit
+        state.hit = state.last_lookup = None  # staged once: a later lookup gives a new hit
         if not hit.spill_blocks:
             return None
         start = hit.start + hit.host_blocks

@@ -33,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  #
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 
 from kvtier.connector import ConnectorCache, ConnectorIndex  # noqa: E402
+from kvtier.integrations import vllm as kvtier_vllm  # noqa: E402
 from kvtier.integrations.vllm import KVTierConnector  # noqa: E402
 from kvtier.integrations.vllm_metrics import PINNED, SCHEDULER_HOOKS, WORKER_HOOKS  # noqa: E402
 from kvtier.tiers.lmdb import LMDBTier  # noqa: E402
@@ -167,12 +168,14 @@ class Engine:
         return output.finished_recving or set(), output.invalid_block_ids
 
     def serve(self, request: Request, table: list[int]) -> tuple[int, bool]:
-        """Admit ``request`` and run the step that computes (and saves) its prompt."""
+        """Admit ``request``, run the step that computes (and saves) its prompt, and
+        finish it there."""
         n, asynchronous = self.admit(request, table)
         if asynchronous:
             self.load()
         self.step({request.request_id: request.num_tokens - request.num_computed_tokens})
         request.num_computed_tokens = request.num_tokens
+        self.scheduler.request_finished(request, table)
         return n, asynchronous
 
     def load(self) -> tuple[set[str], set[int]]:
@@ -256,6 +259,54 @@ def test_the_scheduler_finds_what_the_worker_reported_saving(tiny_model, engines
     assert (n, asynchronous) == (4 * BLOCK, False)  # host hits load before the forward
     for got, want in zip(engine.kv(0, [8, 9, 10, 11]), saved, strict=True):
         assert torch.equal(got, want)
+
+
+def test_a_host_hit_loads_asynchronously_while_another_request_runs(tiny_model, engines):
+    engine = engines(tiny_model, _host_only())
+    chain = _hashes(1, 4)
+    engine.serve(_request("a", chain), [0, 1, 2, 3, 4])
+    saved = engine.kv(0, [0, 1, 2, 3])
+    engine.admit(_request("other", _hashes(3, 1)), [13, 14])
+    engine.step({"other": BLOCK + 1})
+
+    n, asynchronous = engine.admit(_request("b", chain), [8, 9, 10, 11, 12])
+    assert (n, asynchronous) == (4 * BLOCK, True)  # copied while "other" computes
+    assert engine.load() == ({"b"}, set())
+    for got, want in zip(engine.kv(0, [8, 9, 10, 11]), saved, strict=True):
+        assert torch.equal(got, want)
+
+
+def _count_lookups(engine: Engine, monkeypatch) -> list[int]:
+    """A list that grows by one with each lookup the scheduler's index makes."""
+    made: list[int] = []
+    lookup = engine.scheduler.index.lookup
+    monkeypatch.setattr(engine.scheduler.index, "lookup", lambda *a: made.append(1) or lookup(*a))
+    return made
+
+
+def test_a_waiting_requests_lookup_answers_vllms_asks_in_later_steps(
+    tiny_model, engines, tmp_path, monkeypatch
+):
+    engine = engines(tiny_model, _disk(tmp_path))
+    made = _count_lookups(engine, monkeypatch)
+    request = _request("r", _hashes(5, 4))
+    engine.scheduler.on_new_request(request)
+    for _ in range(3):  # vLLM asks in every step while it cannot schedule the request
+        engine.scheduler.get_num_new_matched_tokens(request, 0)
+    assert len(made) == 1
+
+
+def test_a_lookup_older_than_the_reuse_period_is_made_again(
+    tiny_model, engines, tmp_path, monkeypatch
+):
+    engine = engines(tiny_model, _disk(tmp_path))
+    made = _count_lookups(engine, monkeypatch)
+    monkeypatch.setattr(kvtier_vllm, "LOOKUP_REUSE", 0.0)
+    request = _request("r", _hashes(5, 4))
+    engine.scheduler.on_new_request(request)
+    for _ in range(3):
+        engine.scheduler.get_num_new_matched_tokens(request, 0)
+    assert len(made) == 3
 
 
 def test_vllms_own_hit_is_not_looked_up_again(tiny_model, engines):
@@ -448,7 +499,7 @@ def test_vllm_failing_requests_on_a_load_error_is_warned_about(
 
 def test_each_hook_reports_its_calls_and_the_time_spent_in_it(tiny_model, engines):
     engine = engines(tiny_model, _host_only())
-    engine.serve(_request("a", _hashes(1, 4)), [0, 1, 2, 3, 4])  # one request, one step
+    engine.serve(_request("a", _hashes(1, 4)), [0, 1, 2, 3, 4])  # one request, one step, over
 
     for connector, hooks in (
         (engine.scheduler, SCHEDULER_HOOKS),
@@ -456,7 +507,7 @@ def test_each_hook_reports_its_calls_and_the_time_spent_in_it(tiny_model, engine
     ):
         stats = connector.get_kv_connector_stats().data
         called = {hook: stats.get(f"hook.{hook}.calls", 0) for hook in hooks}
-        assert called == {hook: 0 if hook == "request_finished" else 1 for hook in hooks}
+        assert called == dict.fromkeys(hooks, 1)
         assert sum(stats.get(f"hook.{hook}.us", 0) for hook in hooks) > 0
 
 
