@@ -66,7 +66,9 @@ class RawReader:
             args = [sys.executable, __file__, str(self._disk), str(n), str(repeats)]
             return float(subprocess.run(args, capture_output=True, text=True, check=True).stdout)
         client = redis.Redis.from_url(self._url)
-        keys = list(client.scan_iter(match=f"{self._prefix}*", count=1000))[:n]
+        # The values are strings; the store's namespace records are a hash beside them.
+        values = client.scan_iter(match=f"{self._prefix}*", count=1000, _type="string")
+        keys = list(values)[:n]
 
         def read() -> None:
             pipe = client.pipeline(transaction=False)
