@@ -110,9 +110,8 @@ BURST = 8  # requests in the burst, each on a prefix of its own
 QUESTION = 24  # tokens after the prefix in the spill and burst workloads' prompts
 QUESTION_IDS = itertools.count(1 << 31)  # trace ids of those questions, each its own
 SPILL_CONCURRENCY = 6  # requests in flight in the spill workloads
-SPILL_8K = (("alone 8k", "kvtier 8k", "kvtier disk 8k", "kvtier disk 8k, no staging",
-             "kvtier redis 8k", "kvtier redis 8k, no staging"), "kvtier 8k")  # fmt: skip
-# (the spill 8k servers, and the one whose host pool holds every prefix)
+SPILL_8K = ("alone 8k", "kvtier 8k", "kvtier disk 8k", "kvtier disk 8k, no staging",
+            "kvtier redis 8k", "kvtier redis 8k, no staging")  # fmt: skip
 
 # Client metrics: (vllm.benchmarks.serve's key, label, higher is better)
 METRICS = [
@@ -265,15 +264,19 @@ def workloads(quick: bool, work: Path) -> list[Workload]:
     trace = f"--dataset-name timed_trace --dataset-path {chat}"
     trace += f" --timed-trace-chunk-hash-size {TRACE_TOKENS}"
     trace += f" --timed-trace-sec-multiplier {CHAT_TIME_SCALE / 1000}"  # the trace's ms, sped up
+    spill_2k = spill(work, "spill", prefix_ids(1 << 29, 12, 16), 2 * n, spill_servers, "kvtier")
+    not_quick = [] if quick else [
+        spill(work, "spill 8k", prefix_ids(3 << 29, 8, 64), 2, SPILL_8K, "kvtier 8k"),
+        burst(work),
+    ]  # fmt: skip
     return [
         Workload(
             "random", f"{unshared} --num-prompts {12 * n} --max-concurrency 2".split(), kvtier
         ),
         Workload("shared", [*prefixes(8, 3 * n, 32), "--max-concurrency", "2"], kvtier),
         Workload("chat", f"{trace} --num-prompts {24 * n} --max-concurrency 2".split(), kvtier),
-        spill(work, "spill", prefix_ids(1 << 29, 12, 16), 2 * n, spill_servers, "kvtier"),
-        *([] if quick else [spill(work, "spill 8k", prefix_ids(3 << 29, 8, 64), 2, *SPILL_8K)]),
-        *([] if quick else [burst(work)]),
+        spill_2k,
+        *not_quick,
     ]
 
 
