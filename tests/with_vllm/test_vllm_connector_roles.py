@@ -276,37 +276,32 @@ def test_a_host_hit_loads_asynchronously_while_another_request_runs(tiny_model, 
         assert torch.equal(got, want)
 
 
-def _count_lookups(engine: Engine, monkeypatch) -> list[int]:
-    """A list that grows by one with each lookup the scheduler's index makes."""
+def _lookups_made_over_three_asks(engine: Engine, monkeypatch) -> int:
+    """How many lookups the scheduler's index makes while vLLM asks three times, in
+    three steps, for a request it cannot schedule."""
     made: list[int] = []
     lookup = engine.scheduler.index.lookup
     monkeypatch.setattr(engine.scheduler.index, "lookup", lambda *a: made.append(1) or lookup(*a))
-    return made
+    request = _request("r", _hashes(5, 4))
+    engine.scheduler.on_new_request(request)
+    for _ in range(3):
+        engine.scheduler.get_num_new_matched_tokens(request, 0)
+    return len(made)
 
 
 def test_a_waiting_requests_lookup_answers_vllms_asks_in_later_steps(
     tiny_model, engines, tmp_path, monkeypatch
 ):
     engine = engines(tiny_model, _disk(tmp_path))
-    made = _count_lookups(engine, monkeypatch)
-    request = _request("r", _hashes(5, 4))
-    engine.scheduler.on_new_request(request)
-    for _ in range(3):  # vLLM asks in every step while it cannot schedule the request
-        engine.scheduler.get_num_new_matched_tokens(request, 0)
-    assert len(made) == 1
+    assert _lookups_made_over_three_asks(engine, monkeypatch) == 1
 
 
 def test_a_lookup_older_than_the_reuse_period_is_made_again(
     tiny_model, engines, tmp_path, monkeypatch
 ):
     engine = engines(tiny_model, _disk(tmp_path))
-    made = _count_lookups(engine, monkeypatch)
     monkeypatch.setattr(kvtier_vllm, "LOOKUP_REUSE", 0.0)
-    request = _request("r", _hashes(5, 4))
-    engine.scheduler.on_new_request(request)
-    for _ in range(3):
-        engine.scheduler.get_num_new_matched_tokens(request, 0)
-    assert len(made) == 3
+    assert _lookups_made_over_three_asks(engine, monkeypatch) == 3
 
 
 def test_vllms_own_hit_is_not_looked_up_again(tiny_model, engines):

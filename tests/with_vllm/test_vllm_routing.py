@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from redis_servers import LOCAL_URL, delete_prefix, unique_prefix
-from test_vllm_server import BLOCK, _tokens
+from test_vllm_server import BLOCK, _tokens, kv_events_args
 
 vllm_server = pytest.importorskip("kvtier.integrations.vllm_server")
 VLLMServer = vllm_server.VLLMServer
@@ -65,9 +65,7 @@ def replicas(tiny_model, tmp_path_factory, real_client):
 
     def start(i: int) -> tuple[VLLMServer, str]:
         port = vllm_server._free_port()
-        events = {"enable_kv_cache_events": True, "publisher": "zmq",
-                  "endpoint": f"tcp://*:{port}"}  # fmt: skip
-        server = VLLMServer(tiny_model, config, [*ARGS, "--kv-events-config", json.dumps(events)],
+        server = VLLMServer(tiny_model, config, [*ARGS, *kv_events_args(port)],
                             vllm_server.SMALL_MACHINE_CORES, root / f"vllm-{i}.log")  # fmt: skip
         return server, f"tcp://127.0.0.1:{port}"
 

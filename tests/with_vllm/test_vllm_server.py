@@ -60,6 +60,12 @@ QUESTIONS = [PREFIX + _tokens(64, seed=10 + i) for i in range(3)]
 FILLERS = [_tokens(2112, seed=20 + i) for i in range(3)]
 
 
+def kv_events_args(port: int) -> list[str]:
+    """vLLM's server arguments that publish its KV events over ZMQ on ``port``."""
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
+    return ["--kv-events-config", json.dumps(events)]
+
+
 def _serve(server: VLLMServer, prompt: list[int]) -> tuple[list[int], dict[str, int]]:
     """The reply's tokens, and the prompt tokens each source supplied for it."""
     before = server.cached_tokens()
@@ -141,9 +147,7 @@ def events_port() -> int:
 def restarted(tiny_model, space, first_run, events_port) -> Iterator[VLLMServer]:
     """A server started after ``first_run``'s: its host pool is empty, its disk holds
     the prefix and the fillers. It publishes KV events (``--kv-events-config``)."""
-    events = {"enable_kv_cache_events": True, "publisher": "zmq",
-              "endpoint": f"tcp://*:{events_port}"}  # fmt: skip
-    with space.server(tiny_model, ["--kv-events-config", json.dumps(events)]) as server:
+    with space.server(tiny_model, kv_events_args(events_port)) as server:
         yield server
 
 
