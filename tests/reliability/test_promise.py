@@ -53,9 +53,14 @@ def short_loads(cache: TieredCache) -> int:
 
 def push_out(cache: TieredCache, prompt: list[int], others: int, rng: random.Random) -> Served:
     """Serve ``prompt``, then ``others`` prompts of 6-7 blocks that push it out of the GPU
-    and host pools, and serve it again (every loaded block checked bit for bit)."""
+    and host pools, and serve it again (every loaded block checked bit for bit).
+
+    Each request's writes land before the next: a host pool whose slots all wait for a
+    write-through encode takes no more copies down, so on a loaded machine the prompt
+    could otherwise outlast the others in it."""
     serve(cache, "first", prompt)
     for i in range(others):
+        cache.flush()
         serve(cache, f"o{i}", [rng.randrange(50000) for _ in range(BS * rng.choice((6, 7)) + 1)])
     cache.flush()
     return serve(cache, "again", prompt)
