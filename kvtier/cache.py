@@ -416,10 +416,8 @@ class TieredCache:
             before = req.num_published
             n = self.manager.commit(req_id, token_ids)
             if self._eager and n:
-                self._copy_down(
-                    self.gpu.cached_blocks(req.block_ids[before : req.num_published]),
-                    pin_source=True,
-                )
+                new = req.block_ids[before : req.num_published]
+                self._copy_down(self.gpu.cached_blocks(new[::-1]), pin_source=True)  # tail first
             return n
 
     def free(self, req_id: Hashable) -> bool:
@@ -561,7 +559,7 @@ class TieredCache:
             self.below.publish_loaded(
                 p.spill_slots[:loaded], hashes[lo : lo + loaded], lo, parent, p.runs
             )
-        self.host.free((p.host_slots + p.spill_slots)[::-1])
+        self.host.free(p.host_slots + p.spill_slots)
         if valid:
             self.manager.publish(req_id, p.first + valid)
             from_host = min(valid, n_host)
@@ -595,7 +593,8 @@ class TieredCache:
         self._copy_down(evicted, pin_source=False)
 
     def _copy_down(self, blocks: CachedBlocks, pin_source: bool) -> None:
-        """Copy GPU blocks not yet in the host pool into host slots, as one batch.
+        """Copy GPU ``blocks`` (in eviction order: a chain's tail first) not yet in the
+        host pool into host slots, as one batch; they are queued in that order.
 
         Blocks already in the host pool are only queued again (as the newest). When the
         host pool cannot supply enough slots (all pinned), the rest are dropped.

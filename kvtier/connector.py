@@ -510,7 +510,7 @@ class ConnectorCache:
             p = self._loads.get(req_id)
             if p is not None and not p.started:
                 del self._loads[req_id]
-                self.host.free(p.slots[::-1])
+                self.host.free(p.slots)
 
     def stage(self, req_id: str, keys: Sequence[bytes], parent: bytes, hit: ConnectorHit) -> int:
         """Read this shard's spill runs of ``hit`` (``keys`` its blocks' keys, ``parent``
@@ -622,7 +622,7 @@ class ConnectorCache:
             refresh = [s for s in present if s is not None]
             if refresh:
                 host.touch(refresh)
-                host.free(refresh[::-1])
+                host.free(refresh)
             parents = [parent, *keys[:-1]]
             todo = [i for i, s in enumerate(present) if s is None]
             while todo and host.num_free:
@@ -801,7 +801,7 @@ class ConnectorCache:
             self._changes.update(dict.fromkeys(keys, True))
             if not p.blocks:
                 self._staged_unused.update(keys)
-        self.host.free(p.slots[::-1])
+        self.host.free(p.slots)
         from_host = min(p.valid, n_host)
         if from_host:
             stats.count_out(from_host, from_host * self.layout.block_nbytes)
@@ -861,7 +861,7 @@ class ConnectorCache:
         else:
             log.warning("kvtier: save to the host pool failed: %s", s.transfer.error)
             stats.errors += 1
-        self.host.free(slots[::-1])  # the chain's head is freed last: evicted last
+        self.host.free(slots)  # in chain order: the tail is queued first, evicted first
         if s.transfer.error is None and self.spill:
             self.spill.on_host_publish(s.slots)
 

@@ -176,6 +176,25 @@ def test_eager_policy_copies_on_commit_so_eviction_copies_nothing():
     check_pools(cache)
 
 
+def host_positions_in_eviction_order(cache: TieredCache) -> list[int]:
+    return cache.host.cached_blocks(cache.host.eviction_order()).positions
+
+
+def test_eager_copies_queue_a_chain_in_the_host_pool_tail_first():
+    cache = make_cache(gpu_blocks=8, write_policy="eager")
+    serve(cache, "a", prompt(1, 6))
+    cache.flush()
+    assert host_positions_in_eviction_order(cache) == [5, 4, 3, 2, 1, 0]
+
+
+def test_a_chain_loaded_from_the_host_pool_is_queued_again_tail_first():
+    cache = make_cache(gpu_blocks=8)
+    a = prompt_in_host(cache)
+    serve(cache, "a2", a)  # blocks 1-5 loaded from the host (0 stayed on the GPU)
+    cache.flush()
+    assert host_positions_in_eviction_order(cache)[-5:] == [5, 4, 3, 2, 1]
+
+
 def test_ready_is_false_until_the_background_copy_lands_and_wait_blocks_for_it():
     cache = make_cache(gpu_blocks=8)
     a = prompt_in_host(cache)

@@ -484,7 +484,7 @@ def cache_blocks(host: HostPool, positions: range) -> list[int]:
     byte_rows(host.slab)[slots] = KV[list(positions)]
     parents = [CHAIN[p - 1] if p else ROOT for p in positions]
     host.publish(slots, [CHAIN[p] for p in positions], positions, parents)
-    host.free(slots[::-1])
+    host.free(slots)
     return slots
 
 

@@ -647,6 +647,14 @@ def test_staged_blocks_take_at_most_the_stage_share_of_the_host_pool(tiny_model,
     assert _staged(engine) == [4]
 
 
+def test_the_host_pool_evicts_a_saved_chain_from_its_tail(tiny_model, engines):
+    engine = engines(tiny_model, _host_only("256KiB"))  # 16 blocks of 16 KiB
+    chain = _hashes(45, 4)
+    engine.serve(_request("a", chain), [0, 1, 2, 3, 4])
+    engine.serve(_request("b", _hashes(46, 14)), list(range(15)))  # evicts 2 of a's
+    assert engine.admit(_request("c", chain), [0, 1, 2, 3, 4])[0] == 2 * BLOCK
+
+
 def test_blocks_staged_before_a_reset_no_longer_count_against_the_share(
     tiny_model, engines, tmp_path
 ):
