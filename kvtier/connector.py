@@ -540,6 +540,17 @@ class ConnectorCache:
         self.transfer.submit(self._read_stage, p)
         return n
 
+    def keep(self, keys: Sequence[bytes]) -> None:
+        """Queue the host blocks of ``keys`` (a chain's, from its first block) that this
+        pool holds and no one pins as the newest, the first block last: a waiting
+        request's host hit outlives the evictions of the blocks stages and saves bring
+        in after it."""
+        with self._lock:
+            slots = [s for s in self.host.lookup_each(keys) if s is not None]
+            if slots:
+                self.host.touch(slots)
+                self.host.free(slots)
+
     def unstage(self, req_id: str) -> None:
         """The request of a stage went away: its runs are not read if the read has not
         begun; a read under way ends and publishes what it read."""

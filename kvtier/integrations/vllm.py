@@ -228,14 +228,17 @@ class KVTierMetadata(KVConnectorMetadata):
     """What the workers do this step: loads before the forward, saves after it, and
     ``reset``: drop the host pool first (the scheduler moved to a new key space).
     ``idle``: the step computes nothing (every request waits for its load).
-    ``stages``: reads ahead for waiting requests; ``unstaged``: requests that went away,
-    whose stages need not be read."""
+    ``stages``: reads ahead for waiting requests; ``keep``: the base keys of waiting
+    requests' host hits, the first in vLLM's queue first, to queue again as the newest
+    before those reads evict; ``unstaged``: requests that went away, whose stages need
+    not be read."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     reset: bool = False
     idle: bool = False
     stages: list[StageSpec] = field(default_factory=list)
+    keep: list[list[bytes]] = field(default_factory=list)
     unstaged: list[str] = field(default_factory=list)
 
 
@@ -265,8 +268,10 @@ class _RequestState:
     saves: bool = True  # False once reset_cache ran: its KV may be the old weights'
     computing: bool = False  # the engine has scheduled tokens of it to compute
     looked_up: bool = False  # get_num_new_matched_tokens has seen it
+    start: int = 0  # vLLM's own hit in blocks, as of its last ask
     staging: set[str] = field(default_factory=set)  # shards whose stage of it is not over
     staged_at: float = 0.0  # when its stage went to the workers (time.monotonic())
+    stage_due: float = 0.0  # when to look for a stage of it next (time.monotonic())
     last_lookup: _Lookup | None = None  # reused for ``LOOKUP_REUSE`` seconds
 
 
@@ -346,7 +351,9 @@ class KVTierConnector(KVConnectorBase_V1):
         self.index: ConnectorIndex | None = None
         self._requests: dict[str, _RequestState] = {}
         self._loads: list[LoadSpec] = []
-        self._unscheduled: dict[str, _RequestState] = {}  # arrived or looked up this step
+        # Requests not yet scheduled, in arrival order (vLLM's queue, first come first
+        # served): those that may wait, whose hits are staged and kept in that order.
+        self._waiting: dict[str, _RequestState] = {}
         self._running: set[str] = set()  # requests of the last step, unless finished since
         self._unstaged: list[str] = []
         cpu = self.config.tiers.cpu
@@ -411,6 +418,8 @@ class KVTierConnector(KVConnectorBase_V1):
                 self._fail_load(spec)
         if any(not spec.asynchronous for spec in meta.loads):
             self._collect_loads()  # see which sync loads failed before saving below
+        if meta.keep:  # before the stages evict
+            self._guarded("start_load_kv", self._keep, meta.keep)
         for stage in meta.stages:  # after the loads: they are wanted now
             self._guarded("start_load_kv", self._stage, stage)
 
@@ -519,6 +528,11 @@ class KVTierConnector(KVConnectorBase_V1):
             raise
         return True
 
+    def _keep(self, keep: list[list[bytes]]) -> None:
+        cache = self.cache
+        for keys in reversed(keep):  # the first request's blocks end up the newest
+            cache.keep(cache.keys(keys))
+
     def _stage(self, spec: StageSpec) -> None:
         keys, parent = self._shard_chain(spec.keys, spec.parent)
         self.cache.stage(spec.req_id, keys, parent, spec.hit)
@@ -587,7 +601,7 @@ class KVTierConnector(KVConnectorBase_V1):
         by the time vLLM schedules it (``build_connector_meta``)."""
         state = self._requests[request.request_id] = _RequestState(request)
         if self._staging:
-            self._unscheduled[request.request_id] = state
+            self._waiting[request.request_id] = state
 
     @timed
     def get_num_new_matched_tokens(
@@ -608,7 +622,8 @@ class KVTierConnector(KVConnectorBase_V1):
                 self.trace.event("lookup", request.request_id, waiting=True)
             return None, False
         start = time.time()
-        hit = self._guarded("get_num_new_matched_tokens", self._match, state, num_computed_tokens)
+        state.start = num_computed_tokens // self.block_size
+        hit = self._guarded("get_num_new_matched_tokens", self._match, state)
         if self.trace:
             blocks = hit.blocks_per_tier() if hit else {}
             seconds = time.time() - start
@@ -618,7 +633,7 @@ class KVTierConnector(KVConnectorBase_V1):
         others_run = bool(self._running.difference((request.request_id,)))
         state.hit, state.asynchronous = hit, bool(hit.spill) or others_run
         if self._staging and hit.spill:  # staged at the step's end unless vLLM runs it now
-            self._unscheduled[request.request_id] = state
+            self._waiting.setdefault(request.request_id, state).stage_due = 0.0
         return hit.num_blocks * self.block_size, state.asynchronous
 
     @timed
@@ -628,7 +643,7 @@ class KVTierConnector(KVConnectorBase_V1):
         """Pin the hit for the blocks vLLM allocated; the workers load it this step."""
         state = self._state(request)
         hit, state.hit = state.hit, None
-        self._unscheduled.pop(request.request_id, None)
+        self._waiting.pop(request.request_id, None)
         if not num_external_tokens or hit is None:
             return
         hit = hit.truncated(num_external_tokens // self.block_size)
@@ -657,16 +672,17 @@ class KVTierConnector(KVConnectorBase_V1):
 
     @timed
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMetadata:
-        """This step's loads, and the blocks each scheduled request fills this step."""
+        """This step's loads, the blocks each scheduled request fills this step, and the
+        stages of waiting requests (``_plan_stages``)."""
         idle = scheduler_output.total_num_scheduled_tokens == 0
-        stages = []
-        for state in self._unscheduled.values():  # not scheduled this step: they wait
-            if not state.staging:
-                stage = self._guarded("build_connector_meta", self._stage_spec, state)
-                stages += [stage] if stage is not None else []
-        self._unscheduled.clear()
+        stages, keep = self._plan_stages() if self._waiting else ([], [])
         meta = KVTierMetadata(
-            loads=self._loads, reset=self._reset, idle=idle, stages=stages, unstaged=self._unstaged
+            loads=self._loads,
+            reset=self._reset,
+            idle=idle,
+            stages=stages,
+            keep=keep,
+            unstaged=self._unstaged,
         )
         self._loads, self._reset, self._unstaged = [], False, []
         self._running = set(scheduler_output.num_scheduled_tokens)
@@ -714,7 +730,7 @@ class KVTierConnector(KVConnectorBase_V1):
         """vLLM may free the blocks at once: a save's copy is ordered before their reuse.
         A stage of the request still under way need not be read any more."""
         state = self._requests.pop(request.request_id, None)
-        self._unscheduled.pop(request.request_id, None)
+        self._waiting.pop(request.request_id, None)
         self._running.discard(request.request_id)
         if state is not None and state.staging:
             self._unstaged.append(request.request_id)
@@ -738,7 +754,6 @@ class KVTierConnector(KVConnectorBase_V1):
         if self.events is not None:
             self._guarded("take_events", self.events.reset)
         self._reset = True
-        self._unscheduled.clear()
         for state in self._requests.values():
             state.keys.clear()
             state.hit = state.last_lookup = None
@@ -747,9 +762,11 @@ class KVTierConnector(KVConnectorBase_V1):
         return True
 
     # ------------------------------------------------------------------ helpers
-    def _match(self, state: _RequestState, num_computed_tokens: int) -> ConnectorHit | None:
+    def _match(self, state: _RequestState) -> ConnectorHit | None:
+        """The hit past vLLM's own (``state.start``), looked up at most once per
+        ``LOOKUP_REUSE`` seconds."""
         wanted = (state.request.num_tokens - 1) // self.block_size
-        start = num_computed_tokens // self.block_size
+        start = state.start
         if start >= wanted or state.failed:
             return None
         last, now = state.last_lookup, time.monotonic()
@@ -759,17 +776,40 @@ class KVTierConnector(KVConnectorBase_V1):
         state.last_lookup = _Lookup(now, start, wanted, hit)
         return hit
 
-    def _stage_spec(self, state: _RequestState) -> StageSpec | None:
-        """The stage of the spill-tier part of a waiting request's hit: the one its
-        lookup found, or, not looked up yet, one from block 0 (vLLM's own hit unknown);
-        None if nothing below the host pools is to be read."""
-        if not self.index.tiers or (state.looked_up and state.hit is None):
+    def _plan_stages(self) -> tuple[list[StageSpec], list[list[bytes]]]:
+        """The stages of the waiting requests due for one, and the keys of their host hits
+        to keep, both in arrival order (the order vLLM schedules them in). A request is
+        due on arrival, when a lookup of vLLM's finds spill blocks in its hit, and every
+        ``LOOKUP_REUSE`` seconds while it waits unstaged: a stage the workers had no room
+        for (``stage_share``) is tried again, in queue order, once staged blocks are used,
+        and host blocks its hit counted on are kept from the evictions of stages and
+        saves behind it."""
+        stages, keep, now = [], [], time.monotonic()
+        for state in self._waiting.values():
+            if state.staging or state.stage_due > now:
+                continue
+            state.stage_due = now + LOOKUP_REUSE
+            planned = self._guarded("build_connector_meta", self._stage_spec, state)
+            if planned is not None:
+                stage, host_keys = planned
+                stages += [stage] if stage is not None else []
+                keep += [host_keys] if host_keys else []
+        return stages, keep
+
+    def _stage_spec(self, state: _RequestState) -> tuple[StageSpec | None, list[bytes]] | None:
+        """The stage of the spill-tier part of a waiting request's hit past vLLM's own
+        (as of vLLM's last ask; block 0 before it asked), if any, and the base keys of
+        the hit's host part; None without a hit."""
+        if not self.index.tiers:
             return None
-        keys = self._keys(state)[: (state.request.num_tokens - 1) // self.block_size]
-        hit = state.hit if state.looked_up else self.index.lookup(keys, 0)
-        state.hit = state.last_lookup = None  # staged once: a later lookup gives a new hit
+        hit = self._match(state)
+        if hit is None:
+            return None
+        keys = self._keys(state)
+        host_keys = keys[hit.start : hit.start + hit.host_blocks]
         if not hit.spill_blocks:
-            return None
+            return None, host_keys
+        state.hit = state.last_lookup = None  # staged once: a later lookup gives a new hit
         start = hit.start + hit.host_blocks
         parent = keys[start - 1] if start else None
         spill = ConnectorHit(start, 0, hit.spill)
@@ -779,7 +819,7 @@ class KVTierConnector(KVConnectorBase_V1):
         if self.trace:
             self.trace.event("stage_planned", req_id, blocks=spill.num_blocks)
         self._note(state, start, start + spill.num_blocks)
-        return StageSpec(req_id, spill, keys[start : start + spill.num_blocks], parent)
+        return StageSpec(req_id, spill, keys[start : start + spill.num_blocks], parent), host_keys
 
     def _load_spec(self, state: _RequestState, hit: ConnectorHit, targets: list[int]) -> LoadSpec:
         keys = self._keys(state)

@@ -647,6 +647,43 @@ def test_staged_blocks_take_at_most_the_stage_share_of_the_host_pool(tiny_model,
     assert _staged(engine) == [4]
 
 
+def test_a_stage_the_share_had_no_room_for_is_made_once_the_staged_blocks_are_used(
+    tiny_model, engines, tmp_path, monkeypatch
+):
+    first, second = _hashes(29, 4), _hashes(30, 4)
+    _on_disk(tiny_model, engines, _disk(tmp_path), first)
+    _on_disk(tiny_model, engines, _disk(tmp_path), second)
+    engine = engines(tiny_model, _disk(tmp_path, host="256KiB", stage_share=0.25))
+    monkeypatch.setattr(kvtier_vllm, "LOOKUP_REUSE", 0.0)  # every step is a later one
+    r, s = _request("r", first), _request("s", second)
+    engine.arrive(r)
+    engine.arrive(s)  # no room: r's staged blocks fill the share
+    assert _staged(engine) == [4]
+    assert engine.admit(r, [5, 6, 7, 8, 9], new=False) == (4 * BLOCK, False)  # uses them
+    engine.step({"r": 1})
+    assert _staged(engine) == [8]
+    assert engine.admit(s, [10, 11, 12, 13, 14], new=False) == (4 * BLOCK, False)  # host hit
+    engine.step({"s": 1})
+    assert engine.workers[0].cache.stage_counts.used == 8
+
+
+def test_a_waiting_requests_host_hit_outlives_the_evictions_of_stages_behind_it(
+    tiny_model, engines, tmp_path
+):
+    waiting, *others = (_hashes(40 + i, 4) for i in range(5))
+    _on_disk(tiny_model, engines, _disk(tmp_path), others[-1])
+    # 16 KiB blocks: a pool of 16 that the first four chains fill, the waiting one oldest
+    engine = engines(tiny_model, _disk(tmp_path, host="256KiB", stage_share=0.25))
+    for i, chain in enumerate([waiting, *others[:3]]):
+        engine.serve(_request(f"o{i}", chain), [0, 1, 2, 3, 4])
+    engine.workers[0].cache.flush()  # no slot pinned by a write-through encode
+    request = _request("r", waiting)
+    engine.arrive(request)  # waits, its hit in the host pool
+    engine.arrive(_request("s", others[-1]))  # its stage evicts 4 blocks
+    assert _staged(engine) == [4]
+    assert engine.admit(request, [5, 6, 7, 8, 9], new=False) == (4 * BLOCK, False)  # host
+
+
 def test_the_host_pool_evicts_a_saved_chain_from_its_tail(tiny_model, engines):
     engine = engines(tiny_model, _host_only("256KiB"))  # 16 blocks of 16 KiB
     chain = _hashes(45, 4)
