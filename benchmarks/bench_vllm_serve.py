@@ -26,8 +26,10 @@ The client is vLLM's own (``vllm.benchmarks.serve``, the code behind ``vllm benc
 serve``), greedy (``--temperature 0``), in this process. Workloads:
 
 - ``random``: prompts that share nothing (vLLM's ``random`` dataset).
-- ``shared``: a few long prefixes, each behind many questions, in random order
-  (``prefix_repetition``): more prefixes than vLLM's pool holds.
+- ``shared``: 8 long prefixes (2k tokens), each behind 12 questions (6 with
+  ``--quick``), in random order (``prefix_repetition``): more prefixes than vLLM's
+  pool holds. A prefix's first request is a miss with or without kvtier, as is one
+  sent while the first still computes it.
 - ``chat``: multi-turn chats from kvtier's workload generator (``kvtier.tracegen``,
   chats only), replayed at their arrival times (vLLM's ``timed_trace`` dataset): turns
   whose prompts grow by every earlier message and reply, behind shared system prompts.
@@ -273,7 +275,7 @@ def workloads(quick: bool, work: Path) -> list[Workload]:
         Workload(
             "random", f"{unshared} --num-prompts {12 * n} --max-concurrency 2".split(), kvtier
         ),
-        Workload("shared", [*prefixes(8, 3 * n, 32), "--max-concurrency", "2"], kvtier),
+        Workload("shared", [*prefixes(8, 6 * n, 32), "--max-concurrency", "2"], kvtier),
         Workload("chat", f"{trace} --num-prompts {24 * n} --max-concurrency 2".split(), kvtier),
         spill_2k,
         *not_quick,
