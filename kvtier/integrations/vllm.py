@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import re
 import time
@@ -229,9 +230,9 @@ class KVTierMetadata(KVConnectorMetadata):
     ``reset``: drop the host pool first (the scheduler moved to a new key space).
     ``idle``: the step computes nothing (every request waits for its load).
     ``stages``: reads ahead for waiting requests; ``keep``: the base keys of waiting
-    requests' host hits, the first in vLLM's queue first, to queue again as the newest
-    before those reads evict; ``unstaged``: requests that went away, whose stages need
-    not be read."""
+    requests' hits, the first in vLLM's queue first, whose host blocks are queued again
+    as the newest before those reads evict; ``unstaged``: requests that went away,
+    whose stages need not be read."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
@@ -272,6 +273,8 @@ class _RequestState:
     staging: set[str] = field(default_factory=set)  # shards whose stage of it is not over
     staged_at: float = 0.0  # when its stage went to the workers (time.monotonic())
     stage_due: float = 0.0  # when to look for a stage of it next (time.monotonic())
+    held: list[bytes] = field(default_factory=list)  # base keys of its hit as of that look
+    stage_blocks: int = 0  # blocks of its last stage (in the host pools once it is over)
     last_lookup: _Lookup | None = None  # reused for ``LOOKUP_REUSE`` seconds
 
 
@@ -358,6 +361,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self._unstaged: list[str] = []
         cpu = self.config.tiers.cpu
         self._staging = cpu is not None and cpu.stage_share > 0
+        self._pool_blocks = self._stage_room = 0  # what staging looks ahead over, in blocks
         self._reset = False
         # Worker side.
         self._cache: ConnectorCache | None = None
@@ -590,6 +594,10 @@ class KVTierConnector(KVConnectorBase_V1):
         """Every worker's shard, keyed by (pipeline rank, tensor rank)."""
         shards = [m.shard for _, m in sorted(metadata.items()) if isinstance(m, KVTierHandshake)]
         self.index.set_shards(shards)
+        cpu = self.config.tiers.cpu
+        if self._staging and shards:  # the blocks of the smallest shard's host pool
+            self._pool_blocks = min(cpu.capacity // s.shape.block_nbytes for s in shards)
+            self._stage_room = int(cpu.stage_share * self._pool_blocks)
         if self.events is not None:
             self.events.set_shards(shards)
         log.info("kvtier: scheduler index over %d shard(s)", len(shards))
@@ -759,6 +767,7 @@ class KVTierConnector(KVConnectorBase_V1):
             state.hit = state.last_lookup = None
             state.saves = False
             state.staging.clear()
+            state.held, state.stage_blocks = [], 0
         return True
 
     # ------------------------------------------------------------------ helpers
@@ -777,38 +786,44 @@ class KVTierConnector(KVConnectorBase_V1):
         return hit
 
     def _plan_stages(self) -> tuple[list[StageSpec], list[list[bytes]]]:
-        """The stages of the waiting requests due for one, and the keys of their host hits
-        to keep, both in arrival order (the order vLLM schedules them in). A request is
-        due on arrival, when a lookup of vLLM's finds spill blocks in its hit, and every
-        ``LOOKUP_REUSE`` seconds while it waits unstaged: a stage the workers had no room
-        for (``stage_share``) is tried again, in queue order, once staged blocks are used,
-        and host blocks its hit counted on are kept from the evictions of stages and
-        saves behind it."""
+        """The stages of the waiting requests due for one, and the keys of their hits to
+        keep, both in arrival order (the order vLLM schedules them in).
+
+        A request is due on arrival, when a lookup of vLLM's finds spill blocks in its
+        hit, and every ``LOOKUP_REUSE`` seconds while it waits: it is looked up again
+        while the stages of the requests before it leave room in the share (a stage the
+        workers had no room for is made, in queue order, once staged blocks are used),
+        and the blocks of its hit (host and staged) are kept from the evictions of the
+        stages and saves behind it while the hits before it leave room in the pool. A
+        long queue costs no lookups past the share, and one whose lookup found nothing
+        is not looked up again here (vLLM's own lookup finds what has come since)."""
         stages, keep, now = [], [], time.monotonic()
+        staged = held = 0  # blocks that the requests walked so far stage, and hold
         for state in self._waiting.values():
-            if state.staging or state.stage_due > now:
-                continue
-            state.stage_due = now + LOOKUP_REUSE
-            planned = self._guarded("build_connector_meta", self._stage_spec, state)
-            if planned is not None:
-                stage, host_keys = planned
-                stages += [stage] if stage is not None else []
-                keep += [host_keys] if host_keys else []
+            if held >= self._pool_blocks:
+                break  # the hits ahead fill the pool
+            if not state.staging and state.stage_due <= now:
+                state.stage_due = now + LOOKUP_REUSE
+                if staged < self._stage_room:
+                    stage = self._guarded("build_connector_meta", self._stage_spec, state)
+                    stages += [stage] if stage is not None else []
+                keep += [state.held] if state.held else []
+            staged += state.stage_blocks
+            held += len(state.held)
         return stages, keep
 
-    def _stage_spec(self, state: _RequestState) -> tuple[StageSpec | None, list[bytes]] | None:
+    def _stage_spec(self, state: _RequestState) -> StageSpec | None:
         """The stage of the spill-tier part of a waiting request's hit past vLLM's own
-        (as of vLLM's last ask; block 0 before it asked), if any, and the base keys of
-        the hit's host part; None without a hit."""
-        if not self.index.tiers:
-            return None
-        hit = self._match(state)
-        if hit is None:
+        (as of vLLM's last ask; block 0 before it asked), if any; notes the base keys of
+        the whole hit (``state.held``), and a request with no hit as never due again."""
+        hit = self._match(state) if self.index.tiers else None
+        if hit is None or not hit.num_blocks:
+            state.stage_due, state.held = math.inf, []
             return None
         keys = self._keys(state)
-        host_keys = keys[hit.start : hit.start + hit.host_blocks]
+        state.held = keys[hit.start : hit.start + hit.num_blocks]
         if not hit.spill_blocks:
-            return None, host_keys
+            return None
         state.hit = state.last_lookup = None  # staged once: a later lookup gives a new hit
         start = hit.start + hit.host_blocks
         parent = keys[start - 1] if start else None
@@ -816,10 +831,11 @@ class KVTierConnector(KVConnectorBase_V1):
         req_id = state.request.request_id
         state.staging = {shard.name for shard in self.index.shards}
         state.staged_at = time.monotonic()
+        state.stage_blocks = spill.num_blocks
         if self.trace:
             self.trace.event("stage_planned", req_id, blocks=spill.num_blocks)
         self._note(state, start, start + spill.num_blocks)
-        return StageSpec(req_id, spill, keys[start : start + spill.num_blocks], parent), host_keys
+        return StageSpec(req_id, spill, keys[start : start + spill.num_blocks], parent)
 
     def _load_spec(self, state: _RequestState, hit: ConnectorHit, targets: list[int]) -> LoadSpec:
         keys = self._keys(state)

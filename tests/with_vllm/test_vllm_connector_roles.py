@@ -276,12 +276,19 @@ def test_a_host_hit_loads_asynchronously_while_another_request_runs(tiny_model, 
         assert torch.equal(got, want)
 
 
+def _count_lookups(engine: Engine, monkeypatch) -> list[bytes]:
+    """The first base key of each lookup the scheduler's index makes from now on."""
+    made: list[bytes] = []
+    index = engine.scheduler.index
+    lookup = index.lookup
+    monkeypatch.setattr(index, "lookup", lambda keys, *a: made.append(keys[0]) or lookup(keys, *a))
+    return made
+
+
 def _lookups_made_over_three_asks(engine: Engine, monkeypatch) -> int:
     """How many lookups the scheduler's index makes while vLLM asks three times, in
     three steps, for a request it cannot schedule."""
-    made: list[int] = []
-    lookup = engine.scheduler.index.lookup
-    monkeypatch.setattr(engine.scheduler.index, "lookup", lambda *a: made.append(1) or lookup(*a))
+    made = _count_lookups(engine, monkeypatch)
     request = _request("r", _hashes(5, 4))
     engine.scheduler.on_new_request(request)
     for _ in range(3):
@@ -667,6 +674,34 @@ def test_a_stage_the_share_had_no_room_for_is_made_once_the_staged_blocks_are_us
     assert engine.workers[0].cache.stage_counts.used == 8
 
 
+def test_requests_queued_behind_a_full_stage_share_are_not_looked_up(
+    tiny_model, engines, tmp_path, monkeypatch
+):
+    chains = [_hashes(50 + i, 4) for i in range(3)]
+    for chain in chains:
+        _on_disk(tiny_model, engines, _disk(tmp_path), chain)
+    engine = engines(tiny_model, _disk(tmp_path, host="256KiB", stage_share=0.25))
+    monkeypatch.setattr(kvtier_vllm, "LOOKUP_REUSE", 0.0)
+    lookups = _count_lookups(engine, monkeypatch)
+    for i, chain in enumerate(chains):
+        engine.arrive(_request(f"r{i}", chain))
+    assert _staged(engine) == [4]  # the first one's stage fills the share
+    behind = {engine.scheduler.index.keys(chain[:1])[0] for chain in chains[1:]}
+    assert lookups and not behind.intersection(lookups)
+
+
+def test_a_waiting_request_whose_lookup_found_nothing_is_not_looked_up_again_for_a_stage(
+    tiny_model, engines, tmp_path, monkeypatch
+):
+    engine = engines(tiny_model, _disk(tmp_path))
+    monkeypatch.setattr(kvtier_vllm, "LOOKUP_REUSE", 0.0)
+    lookups = _count_lookups(engine, monkeypatch)
+    engine.arrive(_request("r", _hashes(53, 4)))
+    for _ in range(3):
+        engine.step({})
+    assert len(lookups) == 1
+
+
 def test_a_waiting_requests_host_hit_outlives_the_evictions_of_stages_behind_it(
     tiny_model, engines, tmp_path
 ):
@@ -699,8 +734,10 @@ def test_blocks_staged_before_a_reset_no_longer_count_against_the_share(
     _on_disk(tiny_model, engines, _disk(tmp_path), first)
     _on_disk(tiny_model, engines, _disk(tmp_path), second)
     engine = engines(tiny_model, _disk(tmp_path, host="256KiB", stage_share=0.25))
-    engine.arrive(_request("r", first))
-    assert _staged(engine) == [4]  # the whole share, unused
+    request = _request("r", first)
+    engine.arrive(request)
+    assert _staged(engine) == [4]  # the whole share
+    engine.scheduler.request_finished(request, [])  # its staged blocks stay, unused
     engine.workers[0].cache.reset()
     engine.arrive(_request("s", second))
     assert _staged(engine) == [8]
