@@ -268,7 +268,6 @@ class _RequestState:
     failed: bool = False  # a load of it failed: it is not offered another (vLLM recomputes)
     saves: bool = True  # False once reset_cache ran: its KV may be the old weights'
     computing: bool = False  # the engine has scheduled tokens of it to compute
-    looked_up: bool = False  # get_num_new_matched_tokens has seen it
     start: int = 0  # vLLM's own hit in blocks, as of its last ask
     staging: set[str] = field(default_factory=set)  # shards whose stage of it is not over
     staged_at: float = 0.0  # when its stage went to the workers (time.monotonic())
@@ -621,7 +620,7 @@ class KVTierConnector(KVConnectorBase_V1):
         stage is reading its spill part (at most ``STAGE_PATIENCE``): vLLM asks again in a
         later step, and by then it is a host hit."""
         state = self._state(request)
-        state.hit, state.asynchronous, state.looked_up = None, False, True
+        state.hit, state.asynchronous = None, False
         if state.staging and time.monotonic() - state.staged_at < STAGE_PATIENCE:
             # Its stage is reading the spill part of its hit: vLLM asks again next step
             # (a lookup now would only find that part still below the host pools, and
