@@ -163,6 +163,13 @@ class BlockPool:
         """Take a reference on each block; a cached-free block leaves the queue."""
         self._table.touch(block_ids)
 
+    def requeue(self, block_ids: Sequence[int]) -> None:
+        """Queue cached free blocks (given in chain order) again as the newest, the chain's
+        tail first, as ``free`` queues them; blocks someone holds stay as they are."""
+        if block_ids:
+            self._table.touch(block_ids)
+            self._table.free(block_ids)
+
     def allocate(self, n: int) -> list[int]:
         """``n`` blocks with ref 1, empty ones first, then cached ones in eviction order.
 

@@ -603,10 +603,7 @@ class TieredCache:
         """
         host, stats = self.host, self._host_stats
         present = host.lookup_each(blocks.hashes)
-        refresh = [s for s in present if s is not None]
-        if refresh:
-            host.touch(refresh)
-            host.free(refresh[::-1])
+        host.requeue([s for s in reversed(present) if s is not None])  # in chain order
         todo = [i for i, s in enumerate(present) if s is None]
         n = min(len(todo), host.num_free)
         stats.dropped += len(todo) - n

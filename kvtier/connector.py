@@ -546,10 +546,7 @@ class ConnectorCache:
         request's host hit outlives the evictions of the blocks stages and saves bring
         in after it."""
         with self._lock:
-            slots = [s for s in self.host.lookup_each(keys) if s is not None]
-            if slots:
-                self.host.touch(slots)
-                self.host.free(slots)
+            self.host.requeue([s for s in self.host.lookup_each(keys) if s is not None])
 
     def unstage(self, req_id: str) -> None:
         """The request of a stage went away: its runs are not read if the read has not
@@ -630,10 +627,7 @@ class ConnectorCache:
                 self.uses.record(keys)
             host = self.host
             present = host.lookup_each(keys)
-            refresh = [s for s in present if s is not None]
-            if refresh:
-                host.touch(refresh)
-                host.free(refresh)
+            host.requeue([s for s in present if s is not None])
             parents = [parent, *keys[:-1]]
             todo = [i for i, s in enumerate(present) if s is None]
             while todo and host.num_free:
