@@ -85,6 +85,31 @@ def test_binary_values_round_trip_from_any_buffer(backend: Backend) -> None:
     assert got == {0: raw, 1: raw, 2: raw[7:4000], 3: halfwords.tobytes(), 4: items[4][1]}
 
 
+@pytest.mark.redis
+@pytest.mark.parametrize("kind", ["real", "cluster"])
+def test_a_large_value_is_sent_from_the_callers_buffer(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    """Not copied into a packed command (hiredis's packer copies it twice, holding the
+    GIL): the socket sends the caller's buffer itself, on every node of a cluster."""
+    backend = make_backend(kind, request)
+    tier = backend.tier()
+    value = bytearray(b"kv" * (1 << 20))
+    key = make_key("in-place")
+    tier.put_many([(key, value)])
+    client = tier.client
+    nodes = [n.redis_connection for n in client.get_nodes()] if tier.is_cluster else [client]
+    for node in nodes:
+        connection = node.connection_pool.get_connection()
+        try:
+            packed = connection.pack_commands([("SET", tier.redis_key(key), memoryview(value))])
+        finally:
+            node.connection_pool.release(connection)
+        assert [p.obj for p in packed if isinstance(p, memoryview)] == [value]
+    assert read_all(tier, [key]) == ([True], {0: bytes(value)})
+    backend.finish()
+
+
 def test_key_schema_is_prefix_namespace_hex(backend: Backend) -> None:
     tier = backend.tier(namespace=namespace_for(b"\xab" * 16))
     key = make_key("schema")

@@ -19,8 +19,11 @@ One key per chunk
     A value (msgpack header and block payload together, opaque to this tier) is one
     Redis string, written by one SET. A chunk is therefore either wholly present or
     absent, never half written, and expiry or eviction drops it whole. Nothing is
-    ever pickled; values go to redis-py as bytes or memoryviews (large ones are
-    sent from the caller's buffer without a copy) and come back as bytes.
+    ever pickled; values go to redis-py as bytes or memoryviews and come back as
+    bytes. Large values are sent from the caller's buffer, without a copy and without
+    the GIL (``_send_values_in_place``): redis-py packs commands with hiredis where
+    it is installed, which copies every value twice while holding the GIL, and a spill
+    writer that holds it for a 4 MiB value stalls the engine's own thread.
 
 Round-trip budget (design rule 5)
     Every batch method is one pipeline (``transaction=False``) executed once:
@@ -95,14 +98,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgpack
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
-from redis.connection import BlockingConnectionPool, parse_url
+from redis.connection import BlockingConnectionPool, ConnectionPool, PythonRespSerializer, parse_url
 from redis.exceptions import (
     AskError,
     ClusterDownError,
@@ -124,6 +127,9 @@ if TYPE_CHECKING:
 __all__ = ["RedisTier", "namespace_for"]
 
 log = logging.getLogger(__name__)
+
+# redis-py's own cutoff: packed pieces longer than this are sent as separate buffers.
+_BUFFER_CUTOFF = 6000
 
 # What a tier call can raise from redis-py, its sockets or its cluster machinery.
 _REDIS_ERRORS: tuple[type[BaseException], ...] = (RedisError, RedisClusterException, OSError)
@@ -173,6 +179,22 @@ def _as_bytes_view(value: Buffer) -> bytes | memoryview:
     if view.ndim != 1 or view.format not in ("B", "b", "c"):
         view = view.cast("B")
     return view
+
+
+def _packer(encoder: Any) -> PythonRespSerializer:
+    """redis-py's pure-Python command packer: it passes a value longer than
+    ``_BUFFER_CUTOFF`` through as the caller's buffer, which the socket then sends
+    without a copy (and without the GIL)."""
+    return PythonRespSerializer(_BUFFER_CUTOFF, encoder.encode)
+
+
+def _send_values_in_place(pools: Iterable[ConnectionPool]) -> None:
+    """Make ``pools``' connections pack with ``_packer`` (the module docstring says
+    why); connections made before are closed and dropped, made again on first use."""
+    for pool in pools:
+        pool.connection_kwargs["command_packer"] = _packer(pool.get_encoder())
+        pool.disconnect()
+        pool.reset()
 
 
 def _is_timeout(e: BaseException | None) -> bool:
@@ -284,7 +306,9 @@ class RedisTier(SpillTier):
             # server restart); a timeout is never retried, so a call is bounded.
             opts["retry"] = Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
             opts["health_check_interval"] = _HEALTH_CHECK_INTERVAL
-            client = redis.Redis(connection_pool=BlockingConnectionPool(**opts))
+            pool = BlockingConnectionPool(**opts)
+            _send_values_in_place([pool])
+            client = redis.Redis(connection_pool=pool)
         else:
             if scheme == "unix":
                 raise ConfigError(
@@ -318,6 +342,11 @@ class RedisTier(SpillTier):
                 )
             except _REDIS_ERRORS as e:
                 raise TierError(f"cannot reach Redis Cluster at {cfg.url}: {e}") from e
+            # The cluster takes no packer option: give it to the pools of the nodes it
+            # found, and to those it makes for nodes it finds later.
+            nodes_manager = client.nodes_manager
+            nodes_manager.connection_kwargs["command_packer"] = _packer(client.get_encoder())
+            _send_values_in_place(n.redis_connection.connection_pool for n in client.get_nodes())
         return cls(
             client,
             namespace=namespace,
