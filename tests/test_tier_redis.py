@@ -98,7 +98,12 @@ def test_a_large_value_is_sent_from_the_callers_buffer(
     key = make_key("in-place")
     tier.put_many([(key, value)])
     client = tier.client
-    nodes = [n.redis_connection for n in client.get_nodes()] if tier.is_cluster else [client]
+    nodes = [client]
+    if tier.is_cluster:  # the nodes it found, and one made as for a node found later
+        manager = client.nodes_manager
+        first = client.get_nodes()[0]
+        later = manager.create_redis_node(first.host, first.port, **manager.connection_kwargs)
+        nodes = [n.redis_connection for n in client.get_nodes()] + [later]
     for node in nodes:
         connection = node.connection_pool.get_connection()
         try:
@@ -106,6 +111,8 @@ def test_a_large_value_is_sent_from_the_callers_buffer(
         finally:
             node.connection_pool.release(connection)
         assert [p.obj for p in packed if isinstance(p, memoryview)] == [value]
+    if tier.is_cluster:
+        later.close()
     assert read_all(tier, [key]) == ([True], {0: bytes(value)})
     backend.finish()
 

@@ -343,7 +343,8 @@ class RedisTier(SpillTier):
             except _REDIS_ERRORS as e:
                 raise TierError(f"cannot reach Redis Cluster at {cfg.url}: {e}") from e
             # The cluster takes no packer option: give it to the pools of the nodes it
-            # found, and to those it makes for nodes it finds later.
+            # found, and to those it makes for nodes it finds later (started from a URL,
+            # it builds each node's pool from these options).
             nodes_manager = client.nodes_manager
             nodes_manager.connection_kwargs["command_packer"] = _packer(client.get_encoder())
             _send_values_in_place(n.redis_connection.connection_pool for n in client.get_nodes())
