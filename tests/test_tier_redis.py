@@ -456,6 +456,19 @@ def test_from_config_takes_the_password_from_the_environment(
             bad.close()
 
 
+def test_from_config_on_a_unix_socket_stores_and_reads(tmp_path: Path) -> None:
+    socket = tmp_path / "redis.sock"
+    with RedisServer(tmp_path, args=["--unixsocket", str(socket)]):
+        cfg = RedisTierConfig(url=f"unix://{socket}", key_prefix=unique_prefix())
+        tier = RedisTier.from_config(cfg, "ns")
+        try:
+            value = bytes(range(256)) * 64
+            assert tier.put_many([(make_key("unix"), value)]) == 1
+            assert read_all(tier, [make_key("unix")]) == ([True], {0: value})
+        finally:
+            tier.close()
+
+
 @pytest.mark.redis
 def test_from_config_cluster_with_startup_nodes(cluster: LocalCluster) -> None:
     cfg = RedisTierConfig(

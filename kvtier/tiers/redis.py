@@ -280,13 +280,14 @@ class RedisTier(SpillTier):
         opts.update(
             socket_timeout=cfg.socket_timeout,
             socket_connect_timeout=cfg.connect_timeout,
-            socket_keepalive=True,
             socket_read_size=1 << 20,
             retry_on_timeout=False,
             max_connections=cfg.max_connections,
             connection_pool_class=BlockingConnectionPool,
             timeout=cfg.connect_timeout,  # longest wait for a free pooled connection
         )
+        if scheme != "unix":  # a TCP option: a Unix socket connection takes no such argument
+            opts["socket_keepalive"] = True
         if cfg.password is not None:
             opts["password"] = cfg.password
         if cfg.username is not None:
