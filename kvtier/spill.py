@@ -34,8 +34,8 @@ not held for a copy and a hash of every block its offloads bring in:
   it does not carry the hashes of its inner blocks).
 
 Each hook call (an eviction, a publish) makes one write per tier, whatever the number
-of chunks. An eviction encodes each chunk once however many tiers of its size take it;
-a publish's chunks are encoded once per write-through tier (on the encoder thread).
+of chunks, and encodes each chunk once however many tiers of its size take it (a
+publish's on the encoder thread).
 Writes are queued to I/O workers with a bound on the bytes in flight; past it, a
 write is dropped and counted (the tier is not keeping up). A tier never gets a chunk
 it already holds. A chunk just completed in the host pool is seldom there: it is
@@ -562,10 +562,13 @@ class SpillManager:
 
     def on_host_publish(self, blocks: CachedBlocks) -> None:
         """Write-through: write every chunk that these newly cached blocks complete, one
-        batch per tier, encoded on the encoder thread (each tier's on its own)."""
+        batch per tier, encoded on the encoder thread once for the tiers that take the
+        same chunks (tiers of one chunk size)."""
         if not self._through:
             return
         retry = [w for h in blocks.hashes for w in self._waiting.pop(h, ())]
+        # by the chunks' (key, start): the tiers taking them, and the chunks
+        groups: dict[tuple[tuple[bytes, int], ...], tuple[list[SpillTier], list[Chunk]]] = {}
         for tier in self._through:
             c = tier.chunk_blocks
             tails = [(h, p) for h, p in zip(blocks.hashes, blocks.positions) if p % c == c - 1]
@@ -575,7 +578,11 @@ class SpillManager:
                 chunk = self._complete_chunk(tier, tail, p)
                 if chunk is not None:
                     chunks[tail] = chunk
-            self._encode_later(tier, list(chunks.values()))
+            found = list(chunks.values())
+            same = tuple((key, start) for key, start, _ in found)
+            groups.setdefault(same, ([], found))[0].append(tier)
+        for tiers, found in groups.values():
+            self._encode_later(tiers, found)
 
     def counters(self) -> dict[str, TierStats]:
         """A snapshot of each spill tier's counters (asks no store anything)."""
@@ -623,17 +630,10 @@ class SpillManager:
         needs them to stage into. Their writes stay held."""
         jobs, held[:] = held[:], []
         for tier, pool, job in jobs:
-            if pool is not self._encoder:
+            if pool is self._encoder:
+                held.extend(self._encode_pinned(*job.args))  # ``_encode_later``'s job
+            else:
                 held.append((tier, pool, job))
-                continue
-            _, chunks, slots, nbytes = job.args  # ``_encode_later``'s job
-            try:
-                items, blocks = self._encode_pinned(tier, chunks, slots, nbytes)
-            except Exception as e:  # a lost write-through, never the caller's error
-                self._count_error(tier.name, e)
-                continue
-            put = partial(self._put, tier, items, nbytes, fresh=True, blocks=blocks)
-            held.append((tier, self._writers, put))
 
     def start_writes(self, held: list[HeldWrite]) -> None:
         """Queue writes that ``holding_writes`` held back (any thread)."""
@@ -703,46 +703,55 @@ class SpillManager:
             self._track(tier, items)
             self._queue(tier, self._writers, partial(self._put, tier, items, nbytes, fresh=False))
 
-    def _encode_later(self, tier: SpillTier, chunks: list[Chunk]) -> None:
-        """Pin the slots of ``chunks`` (under the caller's lock) and queue their encode,
-        and then their write to ``tier``, on the encoder thread."""
-        nbytes = self._reserve_chunks(tier, chunks)
-        if nbytes:
+    def _encode_later(self, tiers: list[SpillTier], chunks: list[Chunk]) -> None:
+        """Pin the slots of ``chunks`` (under the caller's lock) and queue, on the encoder
+        thread, their encode (once: every tier of ``tiers`` takes these same chunks) and
+        then their write to each tier that has room in the write queue."""
+        reserved = [(tier, n) for tier in tiers if (n := self._reserve_chunks(tier, chunks))]
+        if reserved:
             slots = [slot for _, _, chunk_slots in chunks for slot in chunk_slots]
             self.host.touch(slots)  # no eviction reuses them before they are encoded
-            job = partial(self._encode_then_write, tier, chunks, slots, nbytes)
-            self._queue(tier, self._encoder, job)
+            job = partial(self._encode_then_write, reserved, chunks, slots)
+            self._queue(reserved[0][0], self._encoder, job)
 
     def _encode_then_write(
-        self, tier: SpillTier, chunks: list[Chunk], slots: list[int], nbytes: int
+        self, reserved: list[tuple[SpillTier, int]], chunks: list[Chunk], slots: list[int]
     ) -> None:
-        """On the encoder thread: ``_encode_pinned``, then queue the write (chunks just
-        completed: ``fresh``)."""
-        items, blocks = self._encode_pinned(tier, chunks, slots, nbytes)
-        put = partial(self._put, tier, items, nbytes, fresh=True, blocks=blocks)
-        self._background(tier, self._writers, put)
+        """On the encoder thread: ``_encode_pinned``, then queue the writes."""
+        for write in self._encode_pinned(reserved, chunks, slots):
+            self._background(*write)
 
     def _encode_pinned(
-        self, tier: SpillTier, chunks: list[Chunk], slots: list[int], nbytes: int
-    ) -> tuple[list[tuple[bytes, memoryview, int]], dict[bytes, list[bytes]]]:
+        self, reserved: list[tuple[SpillTier, int]], chunks: list[Chunk], slots: list[int]
+    ) -> list[HeldWrite]:
         """Encode the chunks whose ``slots`` ``_encode_later`` pinned, make them visible in
-        flight, and unpin the slots: the items to write, and each one's block hashes. A
-        failure gives back ``nbytes``."""
+        flight in each tier of ``reserved`` (a tier, the bytes reserved for its write),
+        and unpin the slots: each tier's write (of chunks just completed: ``fresh``). A
+        failure is a lost write-through, counted against every tier, never the caller's
+        error: it gives back the bytes and returns no write."""
         blocks: dict[bytes, list[bytes]] = {}
         try:
             values = self.codec.encode_many(self._rows, chunks)
             items = [(key, v, len(s)) for (key, _, s), v in zip(chunks, values)]
-            self._track(tier, items)  # before the slots can go: never out of sight
-        except BaseException:
+            for tier, _ in reserved:
+                self._track(tier, items)  # before the slots can go: never out of sight
+        except BaseException as e:
             with self._lock:
-                self._pending -= nbytes
-            raise
+                self._pending -= sum(nbytes for _, nbytes in reserved)
+            if not isinstance(e, Exception):
+                raise
+            for tier, _ in reserved:
+                self._count_error(tier.name, e)
+            return []
         finally:
             with self._host_lock:  # only write-through tiers' chunks come here
                 for key, _, chunk_slots in chunks:
                     blocks[key] = self.host.cached_blocks(chunk_slots).hashes
                 self.host.free(slots)
-        return items, blocks
+        return [
+            (tier, self._writers, partial(self._put, tier, items, n, fresh=True, blocks=blocks))
+            for tier, n in reserved
+        ]
 
     def _reserve_chunks(self, tier: SpillTier, chunks: list[Chunk]) -> int:
         """``_reserve`` the bytes of ``chunks``' values; 0 when there are none or no room."""

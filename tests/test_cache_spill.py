@@ -260,6 +260,15 @@ class CountingCodec(ChunkCodec):
         return super().encode_many(src, chunks)
 
 
+class FailingCodec(ChunkCodec):
+    """A codec whose every encode fails."""
+
+    __slots__ = ()
+
+    def encode_many(self, src, chunks):
+        raise RuntimeError("encode failed")
+
+
 def host_with_chain(blocks: int) -> tuple[HostPool, list[int]]:
     """A host pool holding one chain of ``blocks`` published blocks, in reversed slots."""
     layout = KVLayout(num_layers=2, kv_factor=2, block_size=4, num_kv_heads=2, head_dim=8,
@@ -298,6 +307,58 @@ def test_write_through_encodes_on_the_encoder_thread_with_the_slots_pinned_until
     spill.flush()
     assert host.num_free == 8 and len(list(redis.keys())) == 2
     assert len(codec.threads) == 1 and codec.threads[0].startswith("kvtier-encode")
+    spill.close()
+
+
+def stored_values(tier, keys: list[bytes]) -> list[bytes]:
+    """The values ``tier`` holds under ``keys``, in order."""
+    values: dict[int, bytes] = {}
+    tier.get_many(keys, lambda i, value: values.__setitem__(i, bytes(value)))
+    return [values[i] for i in range(len(keys))]
+
+
+def publish_through_disk_and_redis(tmp_path: Path, disk_chunk_blocks: int) -> tuple:
+    """A chain of 8 blocks published, written through to disk (chunks of
+    ``disk_chunk_blocks``) and Redis (chunks of 4) by a spill manager whose codec counts
+    its encodes: (host, slots, disk, redis, spill, codec)."""
+    host, slots = host_with_chain(8)
+    disk = LMDBTier(tmp_path / "lmdb", capacity=1 << 20, chunk_blocks=disk_chunk_blocks)
+    redis = fake_redis(chunk_blocks=4)
+    spill = spill_manager([disk, redis], ["disk", "redis"], host)
+    spill.codec = codec = CountingCodec(host.layout)
+    spill.on_host_publish(host.cached_blocks(slots))
+    spill.flush()
+    return host, slots, disk, redis, spill, codec
+
+
+def test_write_through_tiers_of_one_chunk_size_share_each_chunks_encode(tmp_path):
+    host, slots, disk, redis, spill, codec = publish_through_disk_and_redis(tmp_path, 4)
+    assert codec.encoded == 2  # two chunks, each encoded once for both tiers
+    keys = host.cached_blocks(slots[3::4]).hashes
+    assert stored_values(disk, keys) == stored_values(redis, keys)
+    spill.close()
+
+
+def test_write_through_tiers_of_different_chunk_sizes_each_encode_their_own_chunks(tmp_path):
+    host, slots, disk, redis, spill, codec = publish_through_disk_and_redis(tmp_path, 8)
+    assert codec.encoded == 1 + 2
+    assert disk.contains_many([host.cached_blocks(slots[7:]).hashes[0]]) == [True]
+    assert redis.contains_many(host.cached_blocks(slots[3::4]).hashes) == [True, True]
+    spill.close()
+
+
+def test_a_failed_shared_encode_is_counted_against_every_tier_and_unpins_its_slots(tmp_path):
+    host, slots = host_with_chain(8)
+    host.free(slots)
+    disk = LMDBTier(tmp_path / "lmdb", capacity=1 << 20, chunk_blocks=4)
+    redis = fake_redis(chunk_blocks=4)
+    spill = spill_manager([disk, redis], ["disk", "redis"], host)
+    spill.codec = FailingCodec(host.layout)
+    spill.on_host_publish(host.cached_blocks(slots))
+    spill.flush()
+    counters = spill.counters()
+    assert counters["disk"].errors == 1 and counters["redis"].errors == 1
+    assert host.num_free == 8 and spill._pending == 0
     spill.close()
 
 
