@@ -50,7 +50,11 @@ serve``), greedy (``--temperature 0``), in this process. Workloads:
 Each repeat starts every server once (in an order that alternates between repeats),
 with fresh tiers, and runs its workloads on it (``--quick``: one repeat, fewer
 prompts, no ``no staging`` servers, the spill workload on disk only). A row is the
-median over the repeats; its ratio is to vLLM alone's median in the same run.
+median over the repeats; its ratio is to vLLM alone's median in the same run. Each
+target's ratio is also given per repeat, against the reference started in the same
+repeat (a few minutes apart): these machines' speed drifts by more than some targets
+between one run and the next, and the spread of the per-repeat ratios shows how far a
+ratio of medians can be trusted.
 Replies are compared with vLLM alone's of the same repeat, prompt by prompt (greedy,
 so they should be equal).
 
@@ -508,7 +512,20 @@ def details(plan: list[Workload], names: list[str], runs: dict) -> dict[str, Any
             replies[workload.name]["alone, repeat vs repeat"] = [
                 same, sum(len(x.texts) for x in others)]  # fmt: skip
     figures = {f"{w} | {s}": [r.metrics for r in got] for (w, s), got in runs.items()}
-    return {"replies_equal": replies, "hook_us_per_step": hooks, "runs": figures}
+    return {"replies_equal": replies, "hook_us_per_step": hooks,
+            "target_ratio_per_repeat": paired_ratios(runs), "runs": figures}  # fmt: skip
+
+
+def paired_ratios(runs: dict) -> dict[str, list[float]]:
+    """Each target's ratio in each repeat: the server's figure over the figure of the
+    server it is held against, started in the same repeat."""
+    out: dict[str, list[float]] = {}
+    for t in TARGETS:
+        mine, theirs = runs.get((t.workload, t.server)), runs.get((t.workload, t.against))
+        if mine and theirs:
+            case = f"{t.workload}: {t.server} {t.metric} vs {t.against}"
+            out[case] = [a.metrics[t.metric] / b.metrics[t.metric] for a, b in zip(mine, theirs)]
+    return out
 
 
 def per_step(runs: list[Run]) -> dict[str, float]:
@@ -534,6 +551,9 @@ def print_details(details: dict[str, Any]) -> None:
     for workload, by_server in details["replies_equal"].items():
         cells = ", ".join(f"{s} {e}/{n}" for s, (e, n) in by_server.items())
         print(f"  {workload}: {cells}")
+    print("\neach target's ratio per repeat (to the reference of the same repeat):")
+    for case, ratios in details["target_ratio_per_repeat"].items():
+        print(f"  {case}: " + " ".join(f"{r:.3f}" for r in ratios))
     hooks = details["hook_us_per_step"]
     if not hooks:
         return
