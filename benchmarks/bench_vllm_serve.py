@@ -494,7 +494,8 @@ def rows(plan: list[Workload], names: list[str], runs: dict) -> list[Result]:
 
 
 def details(plan: list[Workload], names: list[str], runs: dict) -> dict[str, Any]:
-    """Replies equal to vLLM alone's, hook costs per step, and every run's figures."""
+    """Replies equal to vLLM alone's, hook costs per step, each target's ratio per
+    repeat, and every run's figures."""
     replies: dict[str, dict[str, list[int]]] = {}
     hooks: dict[str, dict[str, dict[str, float]]] = {}
     for workload in plan:
