@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from redis_servers import unique_prefix, wait_until
+from tier_contract import read_all
 
 from kvtier import spill as spill_module
 from kvtier.cache import TieredCache
@@ -310,13 +311,6 @@ def test_write_through_encodes_on_the_encoder_thread_with_the_slots_pinned_until
     spill.close()
 
 
-def stored_values(tier, keys: list[bytes]) -> list[bytes]:
-    """The values ``tier`` holds under ``keys``, in order."""
-    values: dict[int, bytes] = {}
-    tier.get_many(keys, lambda i, value: values.__setitem__(i, bytes(value)))
-    return [values[i] for i in range(len(keys))]
-
-
 def publish_through_disk_and_redis(tmp_path: Path, disk_chunk_blocks: int) -> tuple:
     """A chain of 8 blocks published, written through to disk (chunks of
     ``disk_chunk_blocks``) and Redis (chunks of 4) by a spill manager whose codec counts
@@ -335,7 +329,8 @@ def test_write_through_tiers_of_one_chunk_size_share_each_chunks_encode(tmp_path
     host, slots, disk, redis, spill, codec = publish_through_disk_and_redis(tmp_path, 4)
     assert codec.encoded == 2  # two chunks, each encoded once for both tiers
     keys = host.cached_blocks(slots[3::4]).hashes
-    assert stored_values(disk, keys) == stored_values(redis, keys)
+    found, values = read_all(disk, keys)
+    assert found == [True, True] and read_all(redis, keys) == (found, values)
     spill.close()
 
 
