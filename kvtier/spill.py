@@ -246,7 +246,8 @@ def find_runs(
         covers = []
         for s, shape in enumerate(shapes):
             own = sizes[s * n : (s + 1) * n]
-            starts = [shape.run_start(j, size, c) for j, size in enumerate(own, start)]
+            run_start = shape.run_start  # most keys of a chunk hold nothing: no call
+            starts = [run_start(j, size, c) if size else None for j, size in enumerate(own, start)]
             covers.append(_cover(starts, start, end, c))
         stop = min((found[-1][1] + 1 if found else start) for found in covers)
         looked[tier.name] = (n, stop - start)

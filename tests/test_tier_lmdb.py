@@ -10,8 +10,9 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import lmdb
 import pytest
@@ -22,6 +23,8 @@ from kvtier.config import DiskTierConfig
 from kvtier.tiers import lmdb as lmdb_tier
 from kvtier.tiers.base import TierError
 from kvtier.tiers.lmdb import INITIAL_MAP_CAP, LMDBTier
+
+T = TypeVar("T")
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 TESTS = Path(__file__).resolve().parent
@@ -562,19 +565,46 @@ def test_a_lookup_reads_no_value_from_disk(tmp_path: Path) -> None:
     assert looked_up - dropped < n * MiB // 4
 
 
-def test_values_stored_before_sizes_existed_are_measured_from_the_values(
+def rewrite_store(path: Path, edit: Callable[[lmdb.Environment, lmdb.Transaction], None]) -> None:
+    """Change a closed store with raw lmdb, as an older kvtier would have left it."""
+    env = lmdb.open(str(path), **lmdb_tier.ENV_OPTIONS)
+    with env.begin(write=True) as txn:
+        edit(env, txn)
+    env.close()
+
+
+def read_raw(path: Path, read: Callable[[lmdb.Environment, lmdb.Transaction], T]) -> T:
+    """What a raw read transaction finds in a closed store."""
+    env = lmdb.open(str(path), **lmdb_tier.ENV_OPTIONS)
+    with env.begin() as txn:
+        out = read(env, txn)
+    env.close()
+    return out
+
+
+def stored_version(env: lmdb.Environment, txn: lmdb.Transaction) -> int:
+    return int.from_bytes(txn.get(b"version", db=env.open_db(b"meta", txn=txn)), "big")
+
+
+def sized_values(env: lmdb.Environment, txn: lmdb.Transaction) -> int:
+    return txn.stat(env.open_db(b"sizes", txn=txn))["entries"]
+
+
+def test_a_store_written_before_sizes_existed_has_its_values_measured_on_open(
     open_tier, tmp_path: Path
 ) -> None:
-    """A version 2 store has no ``sizes``: lookups, overwrites and deletes read each
-    value's length from the value itself, and the store becomes version 3."""
+    """A version 2 store has no ``sizes``: opening it gives every value its entry, from
+    the value itself, and makes it version 4; lookups, overwrites and deletes then
+    find the right lengths."""
     keys = [make_key("v2", i) for i in range(3)]
     with LMDBTier(tmp_path / "s", capacity=4000, chunk_blocks=4) as tier:
         tier.put_many([(k, b"v" * (100 * (i + 1))) for i, k in enumerate(keys)])
-    env = lmdb.open(str(tmp_path / "s"), **lmdb_tier.ENV_OPTIONS)
-    with env.begin(write=True) as txn:  # what version 2 wrote: no sizes
+
+    def as_version_2(env: lmdb.Environment, txn: lmdb.Transaction) -> None:
         txn.drop(env.open_db(b"sizes", txn=txn), delete=True)
         txn.put(b"version", (2).to_bytes(8, "big"), db=env.open_db(b"meta", txn=txn))
-    env.close()
+
+    rewrite_store(tmp_path / "s", as_version_2)
     tier = small_tier(open_tier, tmp_path / "s")
     assert tier.sizes_many(keys) == [100, 200, 300]
     assert tier.contains_many(keys) == [True, True, True]
@@ -583,7 +613,26 @@ def test_values_stored_before_sizes_existed_are_measured_from_the_values(
     assert tier.sizes_many(keys) == [50, 0, 300]
     assert tier.usage().nbytes == 350
     tier.close()
-    env = lmdb.open(str(tmp_path / "s"), **lmdb_tier.ENV_OPTIONS)
-    with env.begin(db=env.open_db(b"meta")) as txn:
-        assert int.from_bytes(txn.get(b"version"), "big") == 3
-    env.close()
+    assert read_raw(tmp_path / "s", stored_version) == 4
+    assert read_raw(tmp_path / "s", sized_values) == 2
+
+
+def test_a_version_3_store_with_values_it_adopted_unsized_has_them_measured_on_open(
+    open_tier, tmp_path: Path
+) -> None:
+    """Version 3 kept the values of a version 2 store without ``sizes`` entries until they
+    were written again: opening it measures those, and only those."""
+    keys = [make_key("v3", i) for i in range(3)]
+    with LMDBTier(tmp_path / "s", capacity=4000, chunk_blocks=4) as tier:
+        tier.put_many([(k, b"v" * (100 * (i + 1))) for i, k in enumerate(keys)])
+
+    def as_version_3(env: lmdb.Environment, txn: lmdb.Transaction) -> None:
+        txn.delete(keys[1], db=env.open_db(b"sizes", txn=txn))
+        txn.put(b"version", (3).to_bytes(8, "big"), db=env.open_db(b"meta", txn=txn))
+
+    rewrite_store(tmp_path / "s", as_version_3)
+    assert read_raw(tmp_path / "s", sized_values) == 2
+    small_tier(open_tier, tmp_path / "s").close()
+    assert read_raw(tmp_path / "s", sized_values) == 3
+    assert read_raw(tmp_path / "s", stored_version) == 4
+    assert small_tier(open_tier, tmp_path / "s").sizes_many(keys) == [100, 200, 300]

@@ -10,7 +10,7 @@ database   key                             value
 =========  ==============================  ===========================================
 ``data``   chunk key (16 bytes, as given)  the chunk value (opaque bytes, may be empty)
 ``sizes``  chunk key                       the length of its ``data`` value
-``meta``   ``b"version"``                  schema version (8 bytes, now 3)
+``meta``   ``b"version"``                  schema version (8 bytes, now 4)
            ``b"nbytes"``                   total bytes of all values in ``data``
            ``b"seq"``                      the next sequence number
 ``records`` record name (text)             a record (``SpillTier.put_record``)
@@ -23,7 +23,7 @@ oldest) and the reuse policy's ghost lists. Every key in ``data`` has exactly on
 the ``data`` values. Every method keeps these invariants inside a single transaction,
 so they hold in every committed state; the number of entries is ``data``'s B-tree
 count (no separate counter). Version 1 (before ``protected`` and the ghosts) is read
-as version 2 and becomes it. ``records`` is outside all of that (``clear`` keeps it);
+as version 2. ``records`` is outside all of that (``clear`` keeps it);
 a store without it (written before it existed) gets an empty one on open, with no
 change of version.
 
@@ -31,11 +31,12 @@ change of version.
 them in outside the GIL): asking for a value just to learn its length reads the whole
 value, from disk when it is not cached. So lookups (``sizes_many``,
 ``contains_many``), overwrites and evictions read lengths from ``sizes``, and only
-``get_many`` (and an eviction whose values are taken) reads values. Every value
-written since version 3 has its ``sizes`` entry, written and deleted in the same
-transaction; a value a version 2 store already held has none until it is written
-again, and its length is read from the value (``_size``). Opening a version 1 or 2
-store makes it version 3.
+``get_many`` (and an eviction whose values are taken) reads values. Every value has
+its ``sizes`` entry, written and deleted in the same transaction as the value, so a
+lookup is one ``get`` per key, found or not. Stores of versions 1 to 3 may hold values
+without one (written before ``sizes`` existed, version 3 adopting them as they were):
+opening such a store measures those values once, in its first transaction, and makes
+it version 4.
 
 Eviction protocol
 -----------------
@@ -143,7 +144,7 @@ __all__ = ["LMDBTier"]
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 INITIAL_MAP_CAP = 64 * MiB  # the map starts at most this big ...
 MAP_SLACK = 64 * MiB  # ... and grows to at most capacity * MAP_GROWTH_LIMIT + MAP_SLACK
 MAP_GROWTH_LIMIT = 1.5
@@ -358,14 +359,15 @@ class LMDBTier(SpillTier):
                     raise TierError(f"{self.name}: {self.path} is an LMDB store but not kvtier's")
                 txn.put(_NBYTES, _u64(0), db=self._meta)
                 txn.put(_SEQ, _u64(0), db=self._meta)
-            elif _int(version) not in (1, 2, SCHEMA_VERSION):
+            elif not 1 <= _int(version) <= SCHEMA_VERSION:
                 raise TierError(
                     f"{self.name}: {self.path} has kvtier LMDB schema version {_int(version)}, "
                     f"this kvtier reads versions 1 to {SCHEMA_VERSION}"
                 )
-            # Version 1 is version 2 with every key in lru and no ghosts, version 2 is 3
-            # without sizes (``_size`` reads those from the values): only its number
-            # changes.
+            # Version 1 is version 2 with every key in lru and no ghosts; versions 2 and
+            # 3 are 4 with values that may lack their ``sizes`` entry.
+            if txn.stat(self._sizes)["entries"] < txn.stat(self._data)["entries"]:
+                self._measure_unsized(txn)
             txn.put(_VERSION, _u64(SCHEMA_VERSION), db=self._meta)
             self._order = ORDERS[self.eviction](env, txn, self._data, self._meta)
             self._order.adopt(txn)
@@ -557,13 +559,27 @@ class LMDBTier(SpillTier):
             return [1] * len(keys)
         return self.uses(keys)
 
+    def _measure_unsized(self, txn: lmdb.Transaction) -> None:
+        """Give every value without a ``sizes`` entry one (stores written before
+        version 4; reads those values once)."""
+        sizes = self._sizes
+        with txn.cursor(db=self._data) as cur:
+            for key, value in cur:
+                if txn.get(key, db=sizes) is None:
+                    txn.put(key, _u64(len(value)), db=sizes)
+
     def _size(self, txn: lmdb.Transaction, key: bytes) -> int:
         """The length of ``key``'s value (-1: absent), from ``sizes`` (module docstring)."""
         size = txn.get(key, db=self._sizes)
-        if size is not None:
-            return _int(size)
-        value = txn.get(key, db=self._data)  # a value stored before schema version 3
-        return -1 if value is None else len(value)
+        return -1 if size is None else int.from_bytes(size, "big")
+
+    def _sizes_of(self, txn: lmdb.Transaction, keys: Sequence[bytes], absent: int) -> list[int]:
+        """The length of each of ``keys``' values (``absent`` where there is none): the
+        lookups' path, one cursor on ``sizes`` for all (a ``get`` per key would parse
+        its ``db`` argument every time, which costs more than the B-tree search)."""
+        with txn.cursor(db=self._sizes) as cur:
+            found, size = cur.set_key, cur.value
+            return [int.from_bytes(size(), "big") if found(k) else absent for k in keys]
 
     def _remove(self, txn: lmdb.Transaction, key: bytes) -> int:
         """Delete ``key`` from all databases; returns its value's length (-1: absent)."""
@@ -638,15 +654,13 @@ class LMDBTier(SpillTier):
         if not keys:
             self._check_open()
             return []
-        size = self._size
-        return self._run(lambda txn: [size(txn, k) >= 0 for k in keys], write=False)
+        return [n >= 0 for n in self._run(lambda txn: self._sizes_of(txn, keys, -1), write=False)]
 
     def sizes_many(self, keys: Sequence[bytes]) -> list[int]:
         if not keys:
             self._check_open()
             return []
-        size = self._size
-        return self._run(lambda txn: [max(size(txn, k), 0) for k in keys], write=False)
+        return self._run(lambda txn: self._sizes_of(txn, keys, 0), write=False)
 
     def get_many(self, keys: Sequence[bytes], sink: ValueSink) -> list[bool]:
         if not keys:
