@@ -594,7 +594,7 @@ def test_a_store_written_before_sizes_existed_has_its_values_measured_on_open(
     open_tier, tmp_path: Path
 ) -> None:
     """A version 2 store has no ``sizes``: opening it gives every value its entry, from
-    the value itself, and makes it version 4; lookups, overwrites and deletes then
+    the value itself, and makes it version 3; lookups, overwrites and deletes then
     find the right lengths."""
     keys = [make_key("v2", i) for i in range(3)]
     with LMDBTier(tmp_path / "s", capacity=4000, chunk_blocks=4) as tier:
@@ -613,15 +613,15 @@ def test_a_store_written_before_sizes_existed_has_its_values_measured_on_open(
     assert tier.sizes_many(keys) == [50, 0, 300]
     assert tier.usage().nbytes == 350
     tier.close()
-    assert read_raw(tmp_path / "s", stored_version) == 4
+    assert read_raw(tmp_path / "s", stored_version) == 3
     assert read_raw(tmp_path / "s", sized_values) == 2
 
 
-def test_a_version_3_store_with_values_it_adopted_unsized_has_them_measured_on_open(
+def test_a_version_3_store_with_values_adopted_unsized_has_them_measured_on_open(
     open_tier, tmp_path: Path
 ) -> None:
-    """Version 3 kept the values of a version 2 store without ``sizes`` entries until they
-    were written again: opening it measures those, and only those."""
+    """Earlier releases kept the values of a version 2 store without ``sizes`` entries
+    until they were written again: opening such a store measures those, and only those."""
     keys = [make_key("v3", i) for i in range(3)]
     with LMDBTier(tmp_path / "s", capacity=4000, chunk_blocks=4) as tier:
         tier.put_many([(k, b"v" * (100 * (i + 1))) for i, k in enumerate(keys)])
@@ -634,5 +634,5 @@ def test_a_version_3_store_with_values_it_adopted_unsized_has_them_measured_on_o
     assert read_raw(tmp_path / "s", sized_values) == 2
     small_tier(open_tier, tmp_path / "s").close()
     assert read_raw(tmp_path / "s", sized_values) == 3
-    assert read_raw(tmp_path / "s", stored_version) == 4
+    assert read_raw(tmp_path / "s", stored_version) == 3
     assert small_tier(open_tier, tmp_path / "s").sizes_many(keys) == [100, 200, 300]

@@ -10,7 +10,7 @@ database   key                             value
 =========  ==============================  ===========================================
 ``data``   chunk key (16 bytes, as given)  the chunk value (opaque bytes, may be empty)
 ``sizes``  chunk key                       the length of its ``data`` value
-``meta``   ``b"version"``                  schema version (8 bytes, now 4)
+``meta``   ``b"version"``                  schema version (8 bytes, now 3)
            ``b"nbytes"``                   total bytes of all values in ``data``
            ``b"seq"``                      the next sequence number
 ``records`` record name (text)             a record (``SpillTier.put_record``)
@@ -33,10 +33,10 @@ value, from disk when it is not cached. So lookups (``sizes_many``,
 ``contains_many``), overwrites and evictions read lengths from ``sizes``, and only
 ``get_many`` (and an eviction whose values are taken) reads values. Every value has
 its ``sizes`` entry, written and deleted in the same transaction as the value, so a
-lookup is one ``get`` per key, found or not. Stores of versions 1 to 3 may hold values
-without one (written before ``sizes`` existed, version 3 adopting them as they were):
-opening such a store measures those values once, in its first transaction, and makes
-it version 4.
+lookup is one B-tree search per key, found or not. Version 2 had no ``sizes``: opening
+a version 1 or 2 store measures its values once, in its first transaction, and makes
+it version 3; so does opening a version 3 store with fewer ``sizes`` entries than
+values (earlier releases adopted version 2 values unmeasured).
 
 Eviction protocol
 -----------------
@@ -144,7 +144,7 @@ __all__ = ["LMDBTier"]
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 3
 INITIAL_MAP_CAP = 64 * MiB  # the map starts at most this big ...
 MAP_SLACK = 64 * MiB  # ... and grows to at most capacity * MAP_GROWTH_LIMIT + MAP_SLACK
 MAP_GROWTH_LIMIT = 1.5
@@ -364,8 +364,8 @@ class LMDBTier(SpillTier):
                     f"{self.name}: {self.path} has kvtier LMDB schema version {_int(version)}, "
                     f"this kvtier reads versions 1 to {SCHEMA_VERSION}"
                 )
-            # Version 1 is version 2 with every key in lru and no ghosts; versions 2 and
-            # 3 are 4 with values that may lack their ``sizes`` entry.
+            # Version 1 is version 2 with every key in lru and no ghosts; version 2 is 3
+            # without ``sizes`` entries.
             if txn.stat(self._sizes)["entries"] < txn.stat(self._data)["entries"]:
                 self._measure_unsized(txn)
             txn.put(_VERSION, _u64(SCHEMA_VERSION), db=self._meta)
@@ -560,8 +560,8 @@ class LMDBTier(SpillTier):
         return self.uses(keys)
 
     def _measure_unsized(self, txn: lmdb.Transaction) -> None:
-        """Give every value without a ``sizes`` entry one (stores written before
-        version 4; reads those values once)."""
+        """Give every value without a ``sizes`` entry one (values a version 2 store
+        held; reads each of them once)."""
         sizes = self._sizes
         with txn.cursor(db=self._data) as cur:
             for key, value in cur:
@@ -571,7 +571,7 @@ class LMDBTier(SpillTier):
     def _size(self, txn: lmdb.Transaction, key: bytes) -> int:
         """The length of ``key``'s value (-1: absent), from ``sizes`` (module docstring)."""
         size = txn.get(key, db=self._sizes)
-        return -1 if size is None else int.from_bytes(size, "big")
+        return -1 if size is None else _int(size)
 
     def _sizes_of(self, txn: lmdb.Transaction, keys: Sequence[bytes], absent: int) -> list[int]:
         """The length of each of ``keys``' values (``absent`` where there is none): the
