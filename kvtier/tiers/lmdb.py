@@ -564,9 +564,9 @@ class LMDBTier(SpillTier):
         held; reads each of them once)."""
         sizes = self._sizes
         with txn.cursor(db=self._data) as cur:
-            for key, value in cur:
+            for key in cur.iternext(keys=True, values=False):  # the values stay unread
                 if txn.get(key, db=sizes) is None:
-                    txn.put(key, _u64(len(value)), db=sizes)
+                    txn.put(key, _u64(len(cur.value())), db=sizes)
 
     def _size(self, txn: lmdb.Transaction, key: bytes) -> int:
         """The length of ``key``'s value (-1: absent), from ``sizes`` (module docstring)."""
@@ -579,7 +579,7 @@ class LMDBTier(SpillTier):
         its ``db`` argument every time, which costs more than the B-tree search)."""
         with txn.cursor(db=self._sizes) as cur:
             found, size = cur.set_key, cur.value
-            return [int.from_bytes(size(), "big") if found(k) else absent for k in keys]
+            return [_int(size()) if found(k) else absent for k in keys]
 
     def _remove(self, txn: lmdb.Transaction, key: bytes) -> int:
         """Delete ``key`` from all databases; returns its value's length (-1: absent)."""
