@@ -52,7 +52,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -571,8 +571,9 @@ class ConnectorCache:
         on the load stream after the engine's current work on CUDA, so the engine's next
         kernels see it) unless ``asynchronous``: the engine computes meanwhile and
         uses the blocks only once ``finished_loads`` has reported them. Spill reads
-        always run on an I/O worker. Never raises for a failure: ``finished_loads``
-        reports it."""
+        always run on an I/O worker; a load that is not ``asynchronous`` and has some is
+        in place once ``wait_loads`` of its request returns (the engine computes with it
+        in this step). Never raises for a failure: ``finished_loads`` reports it."""
         with self._lock:
             p = self._loads[req_id]
             p.started = time.perf_counter()
@@ -677,12 +678,18 @@ class ConnectorCache:
             self._poll_saves()
         self.below.flush()
 
-    def wait_loads(self, timeout: float | None = None) -> None:
-        """Wait until every started load and stage that runs on a worker is over, or
-        ``timeout`` seconds have passed; ``finished_loads`` then reports those over
-        (the others are copies that ``load`` itself ran or queued)."""
+    def wait_loads(
+        self, timeout: float | None = None, req_ids: Iterable[str] | None = None
+    ) -> None:
+        """Wait until every started load and stage that runs on a worker (only the loads
+        of ``req_ids`` when given) is over, or ``timeout`` seconds have passed;
+        ``finished_loads`` then reports those over (the others are copies that ``load``
+        itself ran or queued)."""
         with self._lock:
-            loads = (*self._loads.values(), *self._stages.values())
+            if req_ids is None:
+                loads = [*self._loads.values(), *self._stages.values()]
+            else:
+                loads = [self._loads[r] for r in req_ids if r in self._loads]
             reading = [p for p in loads if p.started and not p.inline]
         deadline = None if timeout is None else time.monotonic() + timeout
         for p in reading:

@@ -27,10 +27,10 @@ process or the same one. They share no memory; they talk only through vLLM's cha
 
 Scheduler side. ``get_num_new_matched_tokens`` looks up the blocks past vLLM's own hit
 (never the prompt's last token: vLLM needs its logits) in the index and the spill
-tiers. A hit that needs spill reads loads asynchronously; so does a host-only hit
-while other requests run, its copy overlapping their step instead of lengthening it
-(decode latency); with none running it is copied before the step's forward, so that
-the request computes in that step. Worker side. ``register_kv_caches`` adopts vLLM's
+tiers. A hit loads asynchronously while other requests run, its reads and copy
+overlapping their step instead of lengthening it (decode latency); with none running
+it is read and copied before the step's forward, so that the request computes in that
+step. Worker side. ``register_kv_caches`` adopts vLLM's
 per-layer KV tensors (blocks on dim 0, any strides), ``start_load_kv`` starts the loads,
 ``wait_for_save`` copies the step's new full blocks into the host pool (on CUDA on the
 offload stream, with vLLM's stream waiting on its event, so no block can be reused
@@ -419,7 +419,9 @@ class KVTierConnector(KVConnectorBase_V1):
                 self._async_loads[spec.req_id] = spec.block_ids
             if spec.hit is None or not self._guarded("start_load_kv", self._start_load, spec):
                 self._fail_load(spec)
-        if any(not spec.asynchronous for spec in meta.loads):
+        sync = [spec.req_id for spec in meta.loads if not spec.asynchronous]
+        if sync:  # this step computes with them: their spill reads must be in place
+            self._guarded("start_load_kv", self.cache.wait_loads, None, sync)
             self._collect_loads()  # see which sync loads failed before saving below
         if meta.keep:  # before the stages evict
             self._guarded("start_load_kv", self._keep, meta.keep)
@@ -614,11 +616,11 @@ class KVTierConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """Tokens past vLLM's own hit held below it; async when spill tiers must be read
-        or other requests are running (module docstring). A request that waits is looked
-        up once per ``LOOKUP_REUSE`` seconds, not in every step. None while the request's
-        stage is reading its spill part (at most ``STAGE_PATIENCE``): vLLM asks again in a
-        later step, and by then it is a host hit."""
+        """Tokens past vLLM's own hit held below it; async when other requests are
+        running (module docstring). A request that waits is looked up once per
+        ``LOOKUP_REUSE`` seconds, not in every step. None while the request's stage is
+        reading its spill part (at most ``STAGE_PATIENCE``): vLLM asks again in a later
+        step, and by then it is a host hit."""
         state = self._state(request)
         state.hit, state.asynchronous = None, False
         if state.staging and time.monotonic() - state.staged_at < STAGE_PATIENCE:
@@ -637,8 +639,11 @@ class KVTierConnector(KVConnectorBase_V1):
             self.trace.event("lookup", request.request_id, start, seconds=seconds, blocks=blocks)
         if hit is None or not hit.num_blocks:
             return 0, False
+        # Async only while others run: then the load's copy (and reads) overlap their
+        # step instead of lengthening it. With none running the load delays nothing but
+        # its own request, which computes in this very step instead of a later one.
         others_run = bool(self._running.difference((request.request_id,)))
-        state.hit, state.asynchronous = hit, bool(hit.spill) or others_run
+        state.hit, state.asynchronous = hit, others_run
         if self._staging and hit.spill:  # staged at the step's end unless vLLM runs it now
             self._waiting.setdefault(request.request_id, state).stage_due = 0.0
         return hit.num_blocks * self.block_size, state.asynchronous

@@ -167,6 +167,12 @@ class Engine:
         self.scheduler.update_connector_output(output)
         return output.finished_recving or set(), output.invalid_block_ids
 
+    def run_another(self) -> None:
+        """A request of one block computes in a step: the next lookups find another
+        request running."""
+        self.admit(_request("other", _hashes(99, 1)), [14, 15])
+        self.step({"other": BLOCK + 1})
+
     def serve(self, request: Request, table: list[int]) -> tuple[int, bool]:
         """Admit ``request``, run the step that computes (and saves) its prompt, and
         finish it there."""
@@ -266,8 +272,7 @@ def test_a_host_hit_loads_asynchronously_while_another_request_runs(tiny_model, 
     chain = _hashes(1, 4)
     engine.serve(_request("a", chain), [0, 1, 2, 3, 4])
     saved = engine.kv(0, [0, 1, 2, 3])
-    engine.admit(_request("other", _hashes(3, 1)), [13, 14])
-    engine.step({"other": BLOCK + 1})
+    engine.run_another()
 
     n, asynchronous = engine.admit(_request("b", chain), [8, 9, 10, 11, 12])
     assert (n, asynchronous) == (4 * BLOCK, True)  # copied while "other" computes
@@ -319,14 +324,24 @@ def test_vllms_own_hit_is_not_looked_up_again(tiny_model, engines):
     assert n == BLOCK
 
 
-def test_a_spill_hit_loads_asynchronously_and_is_reported_finished(tiny_model, engines, tmp_path):
-    writer = engines(tiny_model, _disk(tmp_path))
+def test_a_spill_hit_with_no_request_running_is_read_before_the_step_computes(
+    tiny_model, engines, tmp_path
+):
     chain = _hashes(2, 4)
-    writer.serve(_request("w", chain), [0, 1, 2, 3, 4])
-    saved = writer.kv(0, [0, 1, 2, 3])
-    writer.close()
-
+    saved = _on_disk(tiny_model, engines, _disk(tmp_path), chain)
     reader = engines(tiny_model, _disk(tmp_path))  # a restart: empty host pool
+    n, asynchronous = reader.admit(_request("r", chain), [5, 6, 7, 8, 9])
+    assert (n, asynchronous) == (4 * BLOCK, False)
+    assert reader.step({"r": 1}) == (set(), set())  # computes in the step that loads it
+    for got, want in zip(reader.kv(0, [5, 6, 7, 8]), saved, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_a_spill_hit_loads_asynchronously_while_another_request_runs(tiny_model, engines, tmp_path):
+    chain = _hashes(2, 4)
+    saved = _on_disk(tiny_model, engines, _disk(tmp_path), chain)
+    reader = engines(tiny_model, _disk(tmp_path))
+    reader.run_another()
     n, asynchronous = reader.admit(_request("r", chain), [5, 6, 7, 8, 9])
     assert (n, asynchronous) == (4 * BLOCK, True)
     assert reader.load() == ({"r"}, set())
@@ -359,9 +374,9 @@ def test_a_prefix_evicted_while_its_spill_write_is_queued_is_still_a_hit(
         encoder.submit(lambda: None).result()
         engine.step({})  # the report of what "other" queued reaches the index
 
-        n, asynchronous = engine.admit(_request("b", chain), [10, 11, 12, 13, 14])
-        assert (n, asynchronous) == (4 * BLOCK, True)  # from the worker's write queue
-        assert engine.load() == ({"b"}, set())
+        n, _ = engine.admit(_request("b", chain), [10, 11, 12, 13, 14])
+        assert n == 4 * BLOCK
+        assert engine.step({"b": 1}) == (set(), set())  # read from the worker's write queue
         for got, want in zip(engine.kv(0, [10, 11, 12, 13]), saved, strict=True):
             assert torch.equal(got, want)
     finally:
@@ -377,9 +392,9 @@ def test_a_request_whose_load_failed_is_not_offered_another(
     writer.close()
     reader = engines(tiny_model, _disk(tmp_path))
     request = _request("r", chain)
-    assert reader.admit(request, [5, 6, 7, 8, 9]) == (4 * BLOCK, True)
+    assert reader.admit(request, [5, 6, 7, 8, 9])[0] == 4 * BLOCK
     monkeypatch.setattr(LMDBTier, "get_many", _raise)  # reads fail; sizes still answer
-    assert reader.load() == ({"r"}, {5, 6, 7, 8})
+    assert reader.step({"r": 1}) == (set(), {5, 6, 7, 8})
 
     request.num_computed_tokens = 0  # vLLM takes the request back to its valid prefix
     assert reader.scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
@@ -417,9 +432,8 @@ def test_a_hit_counts_only_the_blocks_every_shard_can_load(tiny_model, engines, 
     writer.close()
 
     reader = engines(tiny_model, _redis(redis_prefix), tp=2)  # a restart
-    n, asynchronous = reader.admit(_request("r", chain), [5, 6, 7, 8, 9])
-    assert (n, asynchronous) == (2 * BLOCK, True)  # the chunk both ranks hold
-    assert reader.load() == ({"r"}, set())
+    assert reader.admit(_request("r", chain), [5, 6, 7, 8, 9])[0] == 2 * BLOCK  # the chunk
+    assert reader.step({"r": 1}) == (set(), set())  # both ranks hold
     for rank in (0, 1):
         for got, want in zip(reader.kv(rank, [5, 6]), saved[rank], strict=True):
             assert torch.equal(got, want)
@@ -460,15 +474,15 @@ def _raise(*args: object, **kwargs: object) -> None:
         (ConnectorCache, "take_report"),
     ],
 )
+@pytest.mark.parametrize("others_run", [False, True], ids=["sync", "async"])
 def test_a_failure_in_any_hook_is_a_miss_or_a_load_error_never_an_exception(
-    tiny_model, engines, tmp_path, monkeypatch, target, method
+    tiny_model, engines, tmp_path, monkeypatch, target, method, others_run
 ):
-    writer = engines(tiny_model, _disk(tmp_path))
     chain = _hashes(7, 4)
-    writer.serve(_request("w", chain), [0, 1, 2, 3, 4])
-    saved = writer.kv(0, [0, 1, 2, 3])
-    writer.close()
-    engine = engines(tiny_model, _disk(tmp_path))  # the hit is on disk: an async load
+    saved = _on_disk(tiny_model, engines, _disk(tmp_path), chain)
+    engine = engines(tiny_model, _disk(tmp_path))  # the hit is on disk
+    if others_run:
+        engine.run_another()
     monkeypatch.setattr(target, method, _raise)
 
     n, asynchronous = engine.admit(_request("r", chain), [5, 6, 7, 8, 9])
@@ -520,6 +534,7 @@ def test_host_slots_a_load_holds_are_reported_pinned_until_it_is_over(
     _on_disk(tiny_model, engines, _disk(tmp_path), chain)
     engine, gate = _busy_io(tiny_model, engines, tmp_path)
     worker = engine.workers[0]
+    engine.run_another()  # so that the load is asynchronous
     engine.admit(_request("r", chain), [5, 6, 7, 8, 9])
     engine.step({})  # the load is pinned and waits for the I/O worker
     pinned = worker.get_kv_connector_stats().data[PINNED]
@@ -544,6 +559,22 @@ def _busy_io(tiny_model, engines, tmp_path) -> tuple[Engine, threading.Event]:
     gate = threading.Event()
     engine.workers[0].cache.transfer.submit(gate.wait, 30)
     return engine, gate
+
+
+def _gate_first_read(cache: ConnectorCache, monkeypatch) -> tuple[list[int], threading.Event]:
+    """Make the first spill read of ``cache`` wait until the gate is set; returns the
+    reads made so far (their numbers) and the gate."""
+    reads, gate = [], threading.Event()
+    load = cache.spill.load
+
+    def gated(runs, slots):
+        reads.append(len(reads))
+        if len(reads) == 1:
+            gate.wait(30)
+        return load(runs, slots)
+
+    monkeypatch.setattr(cache.spill, "load", gated)
+    return reads, gate
 
 
 def _staged(engine: Engine) -> list[int]:
@@ -613,16 +644,8 @@ def test_a_stage_reads_once_the_loads_being_read_are_over(
     _on_disk(tiny_model, engines, _disk(tmp_path), running + waiting)
     engine = engines(tiny_model, _disk(tmp_path))  # two I/O workers
     cache = engine.workers[0].cache
-    reads, gate = [], threading.Event()
-    load = cache.spill.load
-
-    def gated(runs, slots):  # the first read (the load's) waits for the gate
-        reads.append(len(reads))
-        if len(reads) == 1:
-            gate.wait(30)
-        return load(runs, slots)
-
-    monkeypatch.setattr(cache.spill, "load", gated)
+    reads, gate = _gate_first_read(cache, monkeypatch)  # the load's
+    engine.run_another()  # so that the load is asynchronous
     engine.admit(_request("r", running), [5, 6, 7, 8, 9])
     engine.arrive(_request("s", running + waiting))  # its stage is submitted with the load
     time.sleep(0.1)  # the other I/O worker is free: only the load holds the stage back
@@ -632,14 +655,34 @@ def test_a_stage_reads_once_the_loads_being_read_are_over(
     assert reads == [0, 1]
 
 
+def test_a_load_read_before_its_step_does_not_wait_for_a_stage_under_way(
+    tiny_model, engines, tmp_path, monkeypatch
+):
+    waiting, scheduled = _hashes(35, 4), _hashes(36, 4)
+    _on_disk(tiny_model, engines, _disk(tmp_path), waiting)
+    saved = _on_disk(tiny_model, engines, _disk(tmp_path), scheduled)
+    engine = engines(tiny_model, _disk(tmp_path))  # two I/O workers
+    cache = engine.workers[0].cache
+    _, gate = _gate_first_read(cache, monkeypatch)  # the stage's
+    try:
+        engine.arrive(_request("s", waiting))
+        assert engine.admit(_request("r", scheduled), [5, 6, 7, 8, 9]) == (4 * BLOCK, False)
+        assert engine.step({"r": 1}) == (set(), set())
+        assert cache.staging  # the stage still waits for the gate
+        for got, want in zip(engine.kv(0, [5, 6, 7, 8]), saved, strict=True):
+            assert torch.equal(got, want)
+    finally:
+        gate.set()
+
+
 def test_a_request_scheduled_in_the_step_it_arrives_is_loaded_not_staged(
     tiny_model, engines, tmp_path
 ):
     chain = _hashes(22, 4)
     _on_disk(tiny_model, engines, _disk(tmp_path), chain)
     engine = engines(tiny_model, _disk(tmp_path))
-    assert engine.admit(_request("r", chain), [5, 6, 7, 8, 9]) == (4 * BLOCK, True)
-    assert engine.load() == ({"r"}, set())
+    assert engine.admit(_request("r", chain), [5, 6, 7, 8, 9]) == (4 * BLOCK, False)
+    assert engine.step({"r": 1}) == (set(), set())
     assert engine.workers[0].cache.stage_counts.staged == 0
 
 
