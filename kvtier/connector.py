@@ -41,10 +41,12 @@ engine's current stream waits on its event (no host sync), so any later kernel t
 overwrites those blocks runs after the copy. Host slots are published only once
 their copy has completed, and pinned while a copy reads them.
 
-Threads. Every public method of ``ConnectorCache`` takes ``self._lock``; spill reads
-run on the transfer engine's workers, spill writes on the spill manager's. A stage's
-read waits until no load's is under way (``STAGE_YIELD`` at most): a load's request
-is running, a stage's is still queued.
+Threads. Every public method of ``ConnectorCache`` takes ``self._lock``; loads' spill
+reads run on the transfer engine's workers, stages' on the stager (one thread: one
+stage at a time), spill writes on the spill manager's. A stage's read waits until no
+load is submitted and not over (``STAGE_YIELD`` at most): a load's request is running,
+a stage's is still queued. Never the other way round: a load never queues behind a
+stage, which on a shared worker would wait for that very load.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ from kvtier.spill import (
     hit_blocks,
     truncate_runs,
 )
+from kvtier.threads import thread_pool
 from kvtier.tiers import open_spill_tiers
 from kvtier.tiers.base import SpillTier
 from kvtier.trace import LoadTimes, Trace
@@ -421,6 +424,7 @@ class ConnectorCache:
         self._staged_unused: set[bytes] = set()  # keys stages published, no load used yet
         self._stage_budget = int(config.tiers.cpu.stage_share * self.host.num_blocks)
         self.stage_counts = StageCounts()
+        self._stager = thread_pool(1, "kvtier-stage")
         # Spill loads submitted and not over: a stage reads only when there are none
         # (``STAGE_YIELD`` at most), for their requests run now and a stage's still waits.
         self._loads_reading = 0
@@ -514,8 +518,8 @@ class ConnectorCache:
 
     def stage(self, req_id: str, keys: Sequence[bytes], parent: bytes, hit: ConnectorHit) -> int:
         """Read this shard's spill runs of ``hit`` (``keys`` its blocks' keys, ``parent``
-        the key before them) into host slots ahead of the request's load, on an I/O
-        worker, with no engine blocks; once read they are host-pool blocks like any other
+        the key before them) into host slots ahead of the request's load, on the
+        stager, with no engine blocks; once read they are host-pool blocks like any other
         (``take_report`` tells the index). Blocks staged and not yet loaded take at most
         ``stage_share`` of the pool; allocating slots evicts only unpinned blocks.
         Returns how many blocks it stages; ``take_report`` names the request once the
@@ -537,7 +541,7 @@ class ConnectorCache:
             p.started = time.perf_counter()
             self._stages[req_id] = p
             self.stage_counts.staged += n
-        self.transfer.submit(self._read_stage, p)
+        self._stager.submit(self._read_stage, p)
         return n
 
     def keep(self, keys: Sequence[bytes]) -> None:
@@ -701,6 +705,7 @@ class ConnectorCache:
         """Finish loads, copies and writes in flight, then close the tiers."""
         self.wait_loads()
         self.finished_loads()
+        self._stager.shutdown()
         self.flush()
         _open_in_process.pop(self._namespace, None)
         self.below.close()

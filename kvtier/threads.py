@@ -1,11 +1,12 @@
 """kvtier's own threads: named ``kvtier-...`` at the OS level, free to run on any CPU,
 running torch ops on themselves alone; the engine's threads are left as they are.
 
-Every thread kvtier starts (I/O workers ``kvtier-io_<i>``, spill writers
-``kvtier-spill_<i>``, the encoder ``kvtier-encode_0``, the C copiers ``kvtier-copy`` and
-``kvtier-codec``, a pageable host pool's ``kvtier-fill``, the metrics server's
-``kvtier-prom_0``, ``process_cpus``'s short-lived ``kvtier-cpus``) sets itself up as it
-starts (``init_thread``; the C threads in C, the metrics server's threads inherit it):
+Every thread kvtier starts (I/O workers ``kvtier-io_<i>``, the vLLM connector's stager
+``kvtier-stage_0``, spill writers ``kvtier-spill_<i>``, the encoder ``kvtier-encode_0``,
+the C copiers ``kvtier-copy`` and ``kvtier-codec``, a pageable host pool's
+``kvtier-fill``, the metrics server's ``kvtier-prom_0``, ``process_cpus``'s short-lived
+``kvtier-cpus``) sets itself up as it starts (``init_thread``; the C threads in C, the
+metrics server's threads inherit it):
 
 - Its OS name (Linux comm, seen in ``top -H`` and ``/proc/<pid>/task/*/comm``) starts
   with ``kvtier-``; Python's thread names are not OS names.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from kvtier.integrations import vllm as kvtier_vllm  # noqa: E402
 from kvtier.integrations.vllm import KVTierConnector  # noqa: E402
 from kvtier.integrations.vllm_metrics import PINNED, SCHEDULER_HOOKS, WORKER_HOOKS  # noqa: E402
 from kvtier.tiers.lmdb import LMDBTier  # noqa: E402
+from kvtier.transfer import TransferEngine  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -532,8 +534,9 @@ def test_host_slots_a_load_holds_are_reported_pinned_until_it_is_over(
 ):
     chain = _hashes(26, 4)
     _on_disk(tiny_model, engines, _disk(tmp_path), chain)
-    engine, gate = _busy_io(tiny_model, engines, tmp_path)
+    engine = engines(tiny_model, _one_io_worker(tmp_path))
     worker = engine.workers[0]
+    gate = _busy(worker.cache.transfer)
     engine.run_another()  # so that the load is asynchronous
     engine.admit(_request("r", chain), [5, 6, 7, 8, 9])
     engine.step({})  # the load is pinned and waits for the I/O worker
@@ -553,12 +556,16 @@ def _on_disk(tiny_model, engines, config: dict, chain: list[bytes], tp: int = 1)
     return saved
 
 
-def _busy_io(tiny_model, engines, tmp_path) -> tuple[Engine, threading.Event]:
-    """An engine over the disk tier whose only I/O worker is busy until the gate is set."""
-    engine = engines(tiny_model, {**_disk(tmp_path), "transfer": {"io_threads": 1}})
+def _one_io_worker(tmp_path: Path) -> dict:
+    return {**_disk(tmp_path), "transfer": {"io_threads": 1}}
+
+
+def _busy(pool: TransferEngine | ThreadPoolExecutor) -> threading.Event:
+    """Keep the only thread of ``pool`` (the I/O worker, the stager) busy until the
+    returned gate is set."""
     gate = threading.Event()
-    engine.workers[0].cache.transfer.submit(gate.wait, 30)
-    return engine, gate
+    pool.submit(gate.wait, 30)
+    return gate
 
 
 def _gate_first_read(cache: ConnectorCache, monkeypatch) -> tuple[list[int], threading.Event]:
@@ -607,9 +614,10 @@ def test_a_request_scheduled_while_its_stage_reads_waits_for_it_and_nothing_is_r
 ):
     chain = _hashes(21, 4)
     _on_disk(tiny_model, engines, _disk(tmp_path), chain)
-    engine, gate = _busy_io(tiny_model, engines, tmp_path)
+    engine = engines(tiny_model, _disk(tmp_path))
+    gate = _busy(engine.workers[0].cache._stager)
     request = _request("r", chain)
-    engine.arrive(request)  # the stage went to the worker with this step, and waits
+    engine.arrive(request)  # the stage went to the stager with this step, and waits
     assert engine.scheduler.get_num_new_matched_tokens(request, 0) == (None, False)
     gate.set()
     _staged(engine)
@@ -624,7 +632,8 @@ def test_a_request_whose_stage_reads_is_not_looked_up_again_while_it_waits(
 ):
     chain = _hashes(25, 4)
     _on_disk(tiny_model, engines, _disk(tmp_path), chain)
-    engine, gate = _busy_io(tiny_model, engines, tmp_path)
+    engine = engines(tiny_model, _disk(tmp_path))
+    gate = _busy(engine.workers[0].cache._stager)
     request = _request("r", chain)
     engine.arrive(request)
     lookups = []
@@ -642,26 +651,24 @@ def test_a_stage_reads_once_the_loads_being_read_are_over(
 ):
     running, waiting = _hashes(31, 4), _hashes(32, 4)
     _on_disk(tiny_model, engines, _disk(tmp_path), running + waiting)
-    engine = engines(tiny_model, _disk(tmp_path))  # two I/O workers
+    engine = engines(tiny_model, _disk(tmp_path))
     cache = engine.workers[0].cache
     reads, gate = _gate_first_read(cache, monkeypatch)  # the load's
     engine.run_another()  # so that the load is asynchronous
     engine.admit(_request("r", running), [5, 6, 7, 8, 9])
     engine.arrive(_request("s", running + waiting))  # its stage is submitted with the load
-    time.sleep(0.1)  # the other I/O worker is free: only the load holds the stage back
+    time.sleep(0.1)  # the stager is free: only the load holds the stage back
     assert reads == [0]
     gate.set()
     cache.wait_loads()
     assert reads == [0, 1]
 
 
-def test_a_load_read_before_its_step_does_not_wait_for_a_stage_under_way(
-    tiny_model, engines, tmp_path, monkeypatch
-):
+def test_a_load_never_waits_for_a_stage_under_way(tiny_model, engines, tmp_path, monkeypatch):
     waiting, scheduled = _hashes(35, 4), _hashes(36, 4)
     _on_disk(tiny_model, engines, _disk(tmp_path), waiting)
     saved = _on_disk(tiny_model, engines, _disk(tmp_path), scheduled)
-    engine = engines(tiny_model, _disk(tmp_path))  # two I/O workers
+    engine = engines(tiny_model, _one_io_worker(tmp_path))
     cache = engine.workers[0].cache
     _, gate = _gate_first_read(cache, monkeypatch)  # the stage's
     try:
@@ -799,12 +806,11 @@ def test_a_stage_whose_request_goes_away_before_its_read_reads_nothing_and_pins_
 ):
     chain = _hashes(25, 4)
     _on_disk(tiny_model, engines, _disk(tmp_path), chain)
-    engine = engines(tiny_model, {**_disk(tmp_path), "transfer": {"io_threads": 1}})
+    engine = engines(tiny_model, _disk(tmp_path))
     cache = engine.workers[0].cache
-    gate = threading.Event()
-    cache.transfer.submit(gate.wait, 30)  # the only I/O worker is busy
+    gate = _busy(cache._stager)
     request = _request("r", chain)
-    engine.arrive(request)  # its stage is queued behind the busy worker
+    engine.arrive(request)  # its stage is queued behind the busy stager
     engine.scheduler.request_finished(request, [])  # the client gave up
     engine.step({})
     gate.set()
