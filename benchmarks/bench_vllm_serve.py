@@ -228,8 +228,6 @@ TARGETS = [
             ("spill", "kvtier redis"),
             ("spill 8k", "kvtier disk 8k"),
             ("spill 8k", "kvtier redis 8k"),
-            ("burst", "kvtier restarted"),
-            ("burst", "kvtier redis restarted"),
         )
     ),  # fmt: skip
 ]
