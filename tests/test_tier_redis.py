@@ -186,6 +186,52 @@ def test_response_errors_are_tier_errors(backend: Backend) -> None:
         assert isinstance(err.value.__cause__, redis.ResponseError)
 
 
+@pytest.fixture
+def real(request: pytest.FixtureRequest) -> Iterator[Backend]:
+    b = make_backend("real", request)
+    yield b
+    b.finish()
+
+
+@pytest.mark.redis
+def test_values_of_any_size_are_read_whole_beside_absent_keys(real: Backend) -> None:
+    tier = real.tier()
+    sizes = [0, 1, 65_533, 1 << 20, 3 * (1 << 20) + 7]  # past the first read buffer, twice
+    values = {make_key(f"v{n}"): bytes(range(256)) * (n // 256) + b"x" * (n % 256) for n in sizes}
+    tier.put_many(list(values.items()))
+    keys = [k for key in values for k in (key, make_key(f"absent {len(values[key])}"))]
+    present, got = read_all(tier, keys)
+    assert present == [True, False] * len(values)
+    assert got == {2 * i: v for i, v in enumerate(values.values())}
+
+
+@pytest.mark.redis
+def test_an_error_reply_amid_values_leaves_the_connection_in_step(real: Backend) -> None:
+    tier = real.tier()
+    fine, wrong = make_key("fine"), make_key("wrongtype")
+    tier.put_many([(fine, b"value")])
+    real.admin.hset(tier.redis_key(wrong), "field", "value")
+    with pytest.raises(TierError):
+        read_all(tier, [fine, wrong, fine])
+    assert read_all(tier, [fine]) == ([True], {0: b"value"})  # every reply was read
+
+
+@pytest.mark.redis
+def test_a_sink_that_raises_propagates_and_the_next_read_is_whole(real: Backend) -> None:
+    tier = real.tier()
+    keys = [make_key(f"k{i}") for i in range(3)]
+    tier.put_many([(k, bytes([i]) * 100_000) for i, k in enumerate(keys)])
+
+    def sink(i: int, value: memoryview) -> None:
+        raise KeyError(i)
+
+    with pytest.raises(KeyError):
+        tier.get_many(keys, sink)  # replies left unread: its connection is dropped
+    present, got = read_all(tier, keys)
+    assert present == [True] * 3
+    assert got == {i: bytes([i]) * 100_000 for i in range(3)}
+
+
 def test_a_closed_tier_raises_tier_error(backend: Backend) -> None:
     tier = backend.tier()
     tier.close()
@@ -391,6 +437,7 @@ def test_the_same_tier_recovers_when_its_server_comes_back(tmp_path: Path) -> No
             _assert_fails_within(call, 2.0)
         server.start()  # same port; nothing was persisted
         # The pooled connections are stale; the first call reconnects on its own.
+        assert read_all(tier, [k]) == ([False], {})
         assert tier.contains_many([k]) == [False]
         assert tier.put_many([(k, b"after")]) == 1
         assert read_all(tier, [k]) == ([True], {0: b"after"})

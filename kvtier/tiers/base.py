@@ -22,7 +22,8 @@ from dataclasses import dataclass
 Buffer = bytes | bytearray | memoryview
 
 # Called once per present key, with the index of the key in the request and its value.
-# The buffer is valid only during the call (it may point into a memory map).
+# The buffer is valid only during the call (it may point into a memory map, or into a
+# buffer that the next value is read into).
 ValueSink = Callable[[int, memoryview], None]
 
 # Receives the (key, value) pairs a tier evicted to make room, after they are gone.

@@ -23,7 +23,9 @@ One key per chunk
     bytes. Large values are sent from the caller's buffer, without a copy and without
     the GIL (``_send_values_in_place``): redis-py packs commands with hiredis where
     it is installed, which copies every value twice while holding the GIL, and a spill
-    writer that holds it for a 4 MiB value stalls the engine's own thread.
+    writer that holds it for a 4 MiB value stalls the engine's own thread. For the
+    same reason values are read (on a single server) into a buffer each thread
+    reuses, not into a new ``bytes`` per value (``kvtier.tiers.redis_values``).
 
 Round-trip budget (design rule 5)
     Every batch method is one pipeline (``transaction=False``) executed once:
@@ -120,6 +122,7 @@ from redis.retry import Retry
 
 from kvtier.tiers.base import Buffer, SpillTier, TierError, TierUsage, ValueSink
 from kvtier.tiers.breaker import CircuitBreaker
+from kvtier.tiers.redis_values import read_values, reads_sockets
 
 if TYPE_CHECKING:
     from kvtier.config import RedisTierConfig
@@ -258,6 +261,7 @@ class RedisTier(SpillTier):
         self._lock = threading.Lock()
         self._closed = False
         self._sizes_by_script = not self.is_cluster  # until the server refuses the script
+        self._in_place = not self.is_cluster and reads_sockets(client.connection_pool)
         self.breaker = breaker if breaker is not None else CircuitBreaker()
 
     # --- construction ---------------------------------------------------------------
@@ -399,17 +403,45 @@ class RedisTier(SpillTier):
             return []
         ttl_ms = self._ttl_ms
         if ttl_ms is None:
-            results = self._batch(lambda pipe: [pipe.get(self.redis_key(k)) for k in keys])
+            commands = [("GET", self.redis_key(k)) for k in keys]
         else:
-            results = self._batch(
-                lambda pipe: [pipe.getex(self.redis_key(k), px=ttl_ms) for k in keys]
-            )
+            commands = [("GETEX", self.redis_key(k), "PX", ttl_ms) for k in keys]
+        if self._in_place:  # read without the GIL (``redis_values``)
+            self._check_open()
+            results = self._on_server(lambda: self._read_values(commands, sink), len(keys))
+            return [r is True for r in self._check_results(results)]
+        results = self._batch(lambda pipe: [pipe.execute_command(*c) for c in commands])
         present = [False] * len(keys)
         for i, value in enumerate(results):
             if value is not None:
                 present[i] = True
                 sink(i, memoryview(value))
         return present
+
+    def _read_values(
+        self, commands: list[tuple[Any, ...]], sink: ValueSink
+    ) -> list[bool | ResponseError]:
+        """``read_values`` on a pooled connection; a broken one (the server restarted)
+        is replaced once, as redis-py's own retry does, unless a value was delivered."""
+        pool = self.client.connection_pool
+        conn = pool.get_connection()
+        delivered = False
+
+        def deliver(i: int, value: memoryview) -> None:
+            nonlocal delivered
+            delivered = True
+            sink(i, value)
+
+        try:
+            try:
+                return read_values(conn, commands, deliver)
+            except redis.ConnectionError:
+                if delivered:
+                    raise
+                conn.disconnect()
+                return read_values(conn, commands, deliver)
+        finally:
+            pool.release(conn)
 
     def put_many(self, items: Sequence[tuple[bytes, Buffer]], only_new: bool = False) -> int:
         if not items:
