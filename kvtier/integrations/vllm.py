@@ -30,11 +30,11 @@ Scheduler side. ``get_num_new_matched_tokens`` looks up the blocks past vLLM's o
 tiers. A hit loads asynchronously while other requests run, its reads and copy
 overlapping their step instead of lengthening it (decode latency); with none running
 it is read and copied before the step's forward, so that the request computes in that
-step. Worker side. ``register_kv_caches`` adopts vLLM's
-per-layer KV tensors (blocks on dim 0, any strides), ``start_load_kv`` starts the loads,
-``wait_for_save`` copies the step's new full blocks into the host pool (on CUDA on the
-offload stream, with vLLM's stream waiting on its event, so no block can be reused
-before it is copied: vLLM may free a finished request's blocks at once).
+step. Worker side. ``register_kv_caches`` adopts vLLM's per-layer KV tensors (blocks
+on dim 0, any strides), ``start_load_kv`` starts the loads, ``wait_for_save`` copies
+the step's new full blocks into the host pool (on CUDA on the offload stream, with
+vLLM's stream waiting on its event, so no block can be reused before it is copied:
+vLLM may free a finished request's blocks at once).
 
 Never fatal. Every hook catches what kvtier raises: it is logged (once per hook, then
 counted in ``faults``) and becomes a miss, a skipped save, or a load error for the
