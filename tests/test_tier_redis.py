@@ -186,16 +186,8 @@ def test_response_errors_are_tier_errors(backend: Backend) -> None:
         assert isinstance(err.value.__cause__, redis.ResponseError)
 
 
-@pytest.fixture
-def real(request: pytest.FixtureRequest) -> Iterator[Backend]:
-    b = make_backend("real", request)
-    yield b
-    b.finish()
-
-
-@pytest.mark.redis
-def test_values_of_any_size_are_read_whole_beside_absent_keys(real: Backend) -> None:
-    tier = real.tier()
+def test_values_of_any_size_are_read_whole_beside_absent_keys(backend: Backend) -> None:
+    tier = backend.tier()
     sizes = [0, 1, 65_533, 1 << 20, 3 * (1 << 20) + 7]  # past the first read buffer, twice
     values = {make_key(f"v{n}"): bytes(range(256)) * (n // 256) + b"x" * (n % 256) for n in sizes}
     tier.put_many(list(values.items()))
@@ -205,20 +197,18 @@ def test_values_of_any_size_are_read_whole_beside_absent_keys(real: Backend) -> 
     assert got == {2 * i: v for i, v in enumerate(values.values())}
 
 
-@pytest.mark.redis
-def test_an_error_reply_amid_values_leaves_the_connection_in_step(real: Backend) -> None:
-    tier = real.tier()
+def test_an_error_reply_amid_values_leaves_the_connection_in_step(backend: Backend) -> None:
+    tier = backend.tier()
     fine, wrong = make_key("fine"), make_key("wrongtype")
     tier.put_many([(fine, b"value")])
-    real.admin.hset(tier.redis_key(wrong), "field", "value")
+    backend.admin.hset(tier.redis_key(wrong), "field", "value")
     with pytest.raises(TierError):
         read_all(tier, [fine, wrong, fine])
     assert read_all(tier, [fine]) == ([True], {0: b"value"})  # every reply was read
 
 
-@pytest.mark.redis
-def test_a_sink_that_raises_propagates_and_the_next_read_is_whole(real: Backend) -> None:
-    tier = real.tier()
+def test_a_sink_that_raises_propagates_and_the_next_read_is_whole(backend: Backend) -> None:
+    tier = backend.tier()
     keys = [make_key(f"k{i}") for i in range(3)]
     tier.put_many([(k, bytes([i]) * 100_000) for i, k in enumerate(keys)])
 

@@ -422,7 +422,8 @@ class RedisTier(SpillTier):
         self, commands: list[tuple[Any, ...]], sink: ValueSink
     ) -> list[bool | ResponseError]:
         """``read_values`` on a pooled connection; a broken one (the server restarted)
-        is replaced once, as redis-py's own retry does, unless a value was delivered."""
+        is replaced once, as redis-py's own retry does, unless a value was delivered
+        (the failed call has disconnected it: the retry connects afresh)."""
         pool = self.client.connection_pool
         conn = pool.get_connection()
         delivered = False
@@ -438,7 +439,6 @@ class RedisTier(SpillTier):
             except redis.ConnectionError:
                 if delivered:
                     raise
-                conn.disconnect()
                 return read_values(conn, commands, deliver)
         finally:
             pool.release(conn)

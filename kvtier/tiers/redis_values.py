@@ -2,11 +2,9 @@
 
 redis-py (with hiredis or without) builds every reply as a new ``bytes`` object: a
 large allocation and a copy per value, both while holding the GIL. A spill read
-runs on kvtier's I/O thread, inside the engine's process: measured with 32 values
-of 512 KiB per batch on a thread beside a Python + torch loop of 5.3 ms per
-iteration, redis-py's reads made that loop 9.8-12.4 ms per iteration; the same
-reads in another process left it at 5.3 ms, and reads into a reused buffer
-(this module) at 6.3 ms.
+runs on kvtier's I/O thread, inside the engine's process, so the engine's own thread
+waits for those copies (``benchmarks/bench_redis_reads.py`` measures what reads on a
+thread cost a Python + torch loop beside them, redis-py's and these).
 
 Here the replies of pipelined GETs are read with ``recv_into`` straight into one
 buffer per thread, reused from call to call: the kernel copies each value into it
