@@ -3,9 +3,10 @@
 kvtier's spill reads run on its I/O threads inside the engine's process. The engine
 stands in here as a loop of small torch ops driven from Python on the main thread
 (one step: 60 matmul + tanh of 128x128 float32, one intra-op thread); the reads
-are batches of GETs of 32 values of 512 KiB (16 MiB, a 2k-token prefix of the demo
-Llama), as fast as they come, on one other thread, from the Redis server the tests
-use. Cases, median step time and the ratio to the loop alone (lower is better):
+are batches of GETs of 16 values of 4 MiB (64 MiB: an 8k-token prefix of the demo
+Llama in ``configs/vllm.yaml``'s 4-block chunks), as fast as they come, on one other
+thread, from the Redis server the tests use. Cases, median step time and the ratio
+to the loop alone (lower is better):
 
 - ``alone``: the loop with no reads (the ceiling).
 - ``redis-py pipeline``: the reads as redis-py makes them (``pipeline().get(...)``,
@@ -16,8 +17,11 @@ use. Cases, median step time and the ratio to the loop alone (lower is better):
 - ``redis-py, another process``: the same reads in a process of their own (no GIL
   shared; informational: what the CPU alone costs).
 
-Each reading case also gives the reads' throughput (MiB/s). Cases run in rounds, one
-sample of each per round, in an order reversed every other round.
+Each reading case also gives the reads' throughput (MiB/s) and, measured next while
+the reads go on, what they cost another client of the server: the p99 latency of a
+lookup (``RedisTier.sizes_many`` of the same keys, as the scheduler asks), against
+the same lookups with no reads (``alone``). Cases run in rounds, one sample of each
+per round, in an order reversed every other round.
 
     python benchmarks/bench_redis_reads.py [--quick] [--out FILE.json]
 """
@@ -44,7 +48,7 @@ from kvtier.progress import progress
 from kvtier.tiers.redis import RedisTier
 
 BENCHMARK = "bench_redis_reads"
-VALUES, VALUE_BYTES = 32, 512 << 10
+VALUES, VALUE_BYTES = 16, 4 << 20
 TARGET = 1.3
 MiB = 1 << 20
 
@@ -74,14 +78,15 @@ class Bench:
         self.seconds = 1.0 if quick else 3.0
         self.rounds = 3 if quick else 5
         self.prefix = f"kvtier-bench-reads-{uuid.uuid4().hex[:8]}"
-        self.tier = RedisTier.from_config(
-            RedisTierConfig(url=url, key_prefix=self.prefix, ttl=None), "bench"
-        )
+        config = RedisTierConfig(url=url, key_prefix=self.prefix, ttl=None, socket_timeout=5.0)
+        self.tier = RedisTier.from_config(config, "bench")
+        self.looker = RedisTier.from_config(config, "bench")  # the scheduler's connection
         self.keys = [i.to_bytes(16, "big") for i in range(VALUES)]
         self.tier.put_many([(k, os.urandom(VALUE_BYTES)) for k in self.keys])
         self.redis_keys = [self.tier.redis_key(k) for k in self.keys]
         self.steps: dict[str, list[float]] = {}
         self.rates: dict[str, list[float]] = {}
+        self.lookups: dict[str, list[float]] = {}
 
     def pipeline_reads(self, stop: threading.Event, done: list[int]) -> None:
         client = redis.Redis.from_url(self.url, socket_read_size=1 << 20)
@@ -98,10 +103,21 @@ class Bench:
             self.tier.get_many(self.keys, lambda i, v: None)
             done[0] += 1
 
+    def lookup_times(self) -> list[float]:
+        """Times (ms, sorted) of lookups of the keys, one every 5 ms for ``seconds``."""
+        times, end = [], time.perf_counter() + self.seconds
+        while time.perf_counter() < end:
+            start = time.perf_counter()
+            self.looker.sizes_many(self.keys)
+            times.append((time.perf_counter() - start) * 1000)
+            time.sleep(0.005)
+        return sorted(times)
+
     def case(self, name: str, reader: Reader | None, process: bool = False) -> None:
         stop, done = threading.Event(), [0]
         if reader is None:
             steps = engine_steps(self.seconds)
+            lookups = self.lookup_times()
         elif process:
             ctx = mp.get_context("fork")
             stop, count = ctx.Event(), ctx.Value("q", 0)  # shared with the process
@@ -111,6 +127,7 @@ class Bench:
             start = time.perf_counter()
             steps = engine_steps(self.seconds)
             elapsed = time.perf_counter() - start
+            lookups = self.lookup_times()
             stop.set()
             proc.join()
             done[0] = round(count.value * elapsed / (elapsed + 0.2))
@@ -120,9 +137,11 @@ class Bench:
             start = time.perf_counter()
             steps = engine_steps(self.seconds)
             elapsed = time.perf_counter() - start
+            lookups = self.lookup_times()
             stop.set()
             thread.join()
         self.steps.setdefault(name, []).append(statistics.median(steps) * 1000)
+        self.lookups.setdefault(name, []).append(lookups[int(0.99 * len(lookups))])
         if reader is not None:
             rate = done[0] * VALUES * VALUE_BYTES / MiB / elapsed
             self.rates.setdefault(name, []).append(rate)
@@ -143,7 +162,11 @@ class Bench:
 
     def results(self) -> list[Result]:
         alone = summarize(self.steps["alone"])
-        out = [Result("alone", "engine step median", "ms", *alone, higher_is_better=False)]
+        lookup = summarize(self.lookups["alone"])
+        out = [
+            Result("alone", "engine step median", "ms", *alone, higher_is_better=False),
+            Result("alone, lookup p99", "lookup p99", "ms", *lookup, higher_is_better=False),
+        ]
         for name, samples in self.steps.items():
             if name == "alone":
                 continue
@@ -156,11 +179,20 @@ class Bench:
                 )
             )  # fmt: skip
             out.append(Result(f"reads: {name}", "reads", "MiB/s", *summarize(self.rates[name])))
+            out.append(
+                Result(
+                    f"reads: {name}, lookup p99", "lookup p99", "ms",
+                    *summarize(self.lookups[name]),
+                    ceiling=lookup[0], ceiling_what="lookup p99, no reads",
+                    higher_is_better=False,
+                )
+            )  # fmt: skip
         return out
 
     def close(self) -> None:
         self.tier.delete_many(self.keys)
         self.tier.close()
+        self.looker.close()
 
 
 def _count_reads(reader: Reader, stop: threading.Event, count: Any) -> None:
@@ -185,7 +217,7 @@ def main() -> int:
     finally:
         bench.close()
     details = (
-        f"{VALUES} values of {VALUE_BYTES // 1024} KiB per read, {bench.rounds} rounds of "
+        f"{VALUES} values of {VALUE_BYTES >> 20} MiB per read, {bench.rounds} rounds of "
         f"{bench.seconds:.0f} s per case after 1 warm-up, {time.perf_counter() - start:.0f} s"
     )
     report_cpu_run(BENCHMARK, args.quick, details, bench.results(), args.out, load_before)

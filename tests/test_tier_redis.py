@@ -32,6 +32,7 @@ from redis_servers import (
 from tier_contract import TierContract, make_key, read_all
 
 from kvtier.config import ConfigError, RedisTierConfig, parse_config
+from kvtier.tiers import redis_values
 from kvtier.tiers.base import TierError
 from kvtier.tiers.redis import RedisTier, namespace_for
 
@@ -260,6 +261,7 @@ def test_a_batch_of_256_keys_is_one_round_trip(backend: Backend, socket_writes: 
     keys = [make_key("rt", i) for i in range(256)]
     tier.put_many([(k, b"v%d" % i) for i, k in enumerate(keys[::2])])
     tier.contains_many(keys)  # warm every connection (handshakes are not batches)
+    tier.get_many(keys[:1], lambda i, v: None)  # and what the tier knows of its values
     nodes = 1
     if backend.kind == "cluster":
         nodes = len({tier.client.get_node_from_key(tier.redis_key(k)).name for k in keys})
@@ -279,6 +281,26 @@ def test_a_batch_of_256_keys_is_one_round_trip(backend: Backend, socket_writes: 
         assert tier.commands_sent == sent + 256
         if backend.kind != "fake":  # what actually went over the sockets
             assert len(socket_writes) - writes == nodes
+
+
+def test_values_larger_than_a_round_trip_are_read_in_groups_on_a_single_server(
+    backend: Backend, socket_writes: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if backend.kind != "real":
+        pytest.skip("fakeredis and the cluster pipeline read every value in one round trip")
+    monkeypatch.setattr(redis_values, "ROUND_TRIP_BYTES", 2 << 20)
+    tier = backend.tier()
+    keys = [make_key("big", i) for i in range(6)]
+    tier.put_many([(k, bytes([i]) * (1 << 20)) for i, k in enumerate(keys)])
+    writes = len(socket_writes)
+    present, got = read_all(tier, [*keys[:3], make_key("absent"), *keys[3:]])
+
+    assert present == [True] * 3 + [False] + [True] * 3
+    assert got == {i + (i > 2): bytes([i]) * (1 << 20) for i in range(6)}
+    assert len(socket_writes) - writes == 1 + 3  # one value to learn its size, then 2 MiB each
+    writes = len(socket_writes)
+    read_all(tier, keys)  # the tier knows its values' size now
+    assert len(socket_writes) - writes == 3
 
 
 def test_sizes_of_256_keys_are_one_round_trip_and_one_command_on_a_single_server(

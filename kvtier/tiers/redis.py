@@ -32,13 +32,16 @@ Round-trip budget (design rule 5)
     ``contains_many`` (EXISTS per key), ``sizes_many`` (STRLEN per key),
     ``get_many`` (GET, or GETEX refreshing the expiry when a ttl is set),
     ``put_many`` (SET ... PX ttl) and ``delete_many`` (UNLINK). On a single server
-    that is one round trip; in cluster mode the cluster pipeline writes each node's
-    share of the batch to that node's connection before reading any reply, so at
-    most one round trip per node, all in flight together. ``round_trips`` counts
-    pipeline executions (and SCAN pages), ``commands_sent`` the commands in them,
-    for tests and metrics. ``keys``, ``clear`` and ``usage`` walk the namespace
-    with SCAN (every primary in a cluster) and are for inspection and tooling, not
-    hot paths.
+    that is one round trip, except a ``get_many`` of more than
+    ``redis_values.ROUND_TRIP_BYTES`` of values, read in groups of about that many
+    bytes (Redis builds a whole pipeline's replies before they drain, serving no
+    other client meanwhile: see ``redis_values``); in cluster mode the cluster
+    pipeline writes each node's share of the batch to that node's connection before
+    reading any reply, so at most one round trip per node, all in flight together.
+    ``round_trips`` counts pipeline executions (and SCAN pages), ``commands_sent``
+    the commands in them, for tests and metrics. ``keys``, ``clear`` and ``usage``
+    walk the namespace with SCAN (every primary in a cluster) and are for inspection
+    and tooling, not hot paths.
 
     ``sizes_many`` is what every lookup asks (a 4k-token prompt: 256 keys), and
     redis-py spends ~15 µs of Python per pipelined command, building it and parsing
@@ -262,6 +265,7 @@ class RedisTier(SpillTier):
         self._closed = False
         self._sizes_by_script = not self.is_cluster  # until the server refuses the script
         self._in_place = not self.is_cluster and reads_sockets(client.connection_pool)
+        self._value_size = 0  # the largest value read in place so far (read_values' groups)
         self.breaker = breaker if breaker is not None else CircuitBreaker()
 
     # --- construction ---------------------------------------------------------------
@@ -421,9 +425,10 @@ class RedisTier(SpillTier):
     def _read_values(
         self, commands: list[tuple[Any, ...]], sink: ValueSink
     ) -> list[bool | ResponseError]:
-        """``read_values`` on a pooled connection; a broken one (the server restarted)
-        is replaced once, as redis-py's own retry does, unless a value was delivered
-        (the failed call has disconnected it: the retry connects afresh)."""
+        """``read_values`` on a pooled connection, expecting values as large as the
+        largest this tier has read; a broken one (the server restarted) is replaced
+        once, as redis-py's own retry does, unless a value was delivered (the failed
+        call has disconnected it: the retry connects afresh)."""
         pool = self.client.connection_pool
         conn = pool.get_connection()
         delivered = False
@@ -431,15 +436,16 @@ class RedisTier(SpillTier):
         def deliver(i: int, value: memoryview) -> None:
             nonlocal delivered
             delivered = True
+            self._value_size = max(self._value_size, value.nbytes)  # a hint: races are fine
             sink(i, value)
 
         try:
             try:
-                return read_values(conn, commands, deliver)
+                return read_values(conn, commands, deliver, self._value_size)
             except redis.ConnectionError:
                 if delivered:
                     raise
-                return read_values(conn, commands, deliver)
+                return read_values(conn, commands, deliver, self._value_size)
         finally:
             pool.release(conn)
 

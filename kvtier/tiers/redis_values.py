@@ -13,6 +13,16 @@ the largest value the thread has read. Each value goes to the sink as a view of
 that buffer, valid only during the call (as ``ValueSink`` says), before the next
 one is read.
 
+Round trips. The GETs are sent in groups, each asking for at most
+``ROUND_TRIP_BYTES`` of values (by the caller's expected value size, or the largest
+value read so far; with neither, the first group is one GET), the next group sent
+once the last reply of the one before is in. Redis builds the replies of a whole
+pipeline in its memory before they drain, serving no other client meanwhile: a
+pipeline of many large values holds up every other client's commands (the
+scheduler's lookups) for all of it, and reads slower than groups of a few
+(``benchmarks/bench_redis_reads.py``, its ``lookup p99`` rows). Small values still
+go many to a round trip.
+
 Protocol. Only what a GET (or GETEX) answers is accepted: a bulk string
 (``$<n>``), nil (``$-1``, or RESP3's ``_``) or an error (``-...``), which comes back
 as a ``ResponseError`` in that command's place, as redis-py's pipeline gives it.
@@ -42,6 +52,7 @@ from kvtier.tiers.base import ValueSink
 __all__ = ["read_values", "reads_sockets"]
 
 _HEADER_READ = 4096  # bytes asked for while a reply's header line is incomplete
+ROUND_TRIP_BYTES = 4 << 20  # values asked for per round trip, at most (module docstring)
 _buffers = threading.local()  # .buf: this thread's reused bytearray
 _SOCKET_CONNECTS = {c._connect for c in (Connection, SSLConnection, UnixDomainSocketConnection)}
 
@@ -53,16 +64,29 @@ def reads_sockets(pool: ConnectionPool) -> bool:
 
 
 def read_values(
-    conn: Connection, commands: Sequence[tuple[bytes | str, ...]], sink: ValueSink
+    conn: Connection,
+    commands: Sequence[tuple[bytes | str, ...]],
+    sink: ValueSink,
+    expected_size: int = 0,
 ) -> list[bool | ResponseError]:
-    """Send ``commands`` (each a GET or GETEX) on ``conn`` as one pipeline and read
-    their replies: ``sink(i, value)`` for each value, in order; returns per command
-    whether it found a value, or its error reply. On any other failure ``conn`` is
-    disconnected and a redis-py error raised (an exception from ``sink`` propagates
-    as it is)."""
-    conn.send_packed_command(conn.pack_commands(commands))
+    """Send ``commands`` (each a GET or GETEX) on ``conn``, pipelined in groups of at
+    most ``ROUND_TRIP_BYTES`` of values of ``expected_size`` (module docstring), and
+    read their replies: ``sink(i, value)`` for each value, in order; returns per
+    command whether it found a value, or its error reply. On any other failure
+    ``conn`` is disconnected and a redis-py error raised (an exception from ``sink``
+    propagates as it is)."""
+    replies = _Replies(conn, expected_size)
+    out: list[bool | ResponseError] = []
     try:
-        return _Replies(conn).read(len(commands), sink)
+        while len(out) < len(commands):
+            if replies.largest:
+                n = max(1, ROUND_TRIP_BYTES // replies.largest)
+            else:  # one GET to learn the size, then (values all absent so far) the rest
+                n = 1 if not out else len(commands)
+            group = commands[len(out) : len(out) + n]
+            conn.send_packed_command(conn.pack_commands(group))
+            out += replies.read(len(out), len(group), sink)
+        return out
     except BaseException:
         conn.disconnect()
         raise
@@ -72,20 +96,23 @@ class _Replies:
     """The replies arriving on one connection, parsed in this thread's buffer:
     ``buf[pos:end]`` holds bytes received and not yet parsed."""
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Connection, expected_size: int) -> None:
         self.sock: socket.socket = conn._sock  # type: ignore[attr-defined]
         if not hasattr(_buffers, "buf"):
             _buffers.buf = bytearray(1 << 16)
         self.buf: bytearray = _buffers.buf
         self.pos = self.end = 0
+        self.largest = expected_size  # bytes of the largest value expected or read
 
-    def read(self, n: int, sink: ValueSink) -> list[bool | ResponseError]:
+    def read(self, first: int, n: int, sink: ValueSink) -> list[bool | ResponseError]:
+        """The next ``n`` replies, those of commands ``first, first + 1, ...``."""
         out: list[bool | ResponseError] = []
-        for i in range(n):
+        for i in range(first, first + n):
             line = self._line()
             kind = line[:1]
             if kind == b"$" and line != b"$-1":
                 size = int(line[1:])
+                self.largest = max(self.largest, size)
                 self._fill(size + 2)  # the value and its CRLF
                 with memoryview(self.buf)[self.pos : self.pos + size] as value:
                     sink(i, value)
