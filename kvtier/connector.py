@@ -241,6 +241,7 @@ class ConnectorIndex:
         self.shards: list[ShardSpec] = []
         self._held: dict[str, set[bytes]] = {}  # shard name -> keys its host pool holds
         self._queued: dict[str, dict[bytes, int]] = {}  # tier -> values queued for it: size
+        self.host_losses = 0  # reports that a host pool lost blocks, so far
         namespace = spill_namespace(config, name)
         # A worker in this process has the tiers open already (vLLM registers the KV
         # caches before it builds the scheduler), and LMDB allows one opening per
@@ -290,11 +291,14 @@ class ConnectorIndex:
         """Take the workers' reports of a step (by shard)."""
         for name, report in reports.items():
             keys = self._held.setdefault(name, set())
+            lost = False
             for key, present in report.held.items():
                 if present:
                     keys.add(key)
                 else:
+                    lost = lost or key in keys
                     keys.discard(key)
+            self.host_losses += lost
             for tier, sizes in report.queued.items():
                 queued = self._queued.setdefault(tier, {})
                 for key, size in sizes.items():
@@ -355,7 +359,7 @@ class _Load:
     result: LoadResult | None = None
     transfer: Transfer | None = None
     error: BaseException | None = None
-    cancelled: bool = False  # a stage whose request went away: not read if not begun
+    cancelled: bool = False  # a stage no longer ahead of its request: not read if not begun
     inline: bool = False  # a host-only load copied by ``load`` itself, not on a worker
     finished: threading.Event = field(default_factory=threading.Event)
 
@@ -421,7 +425,10 @@ class ConnectorCache:
         self._loads: dict[str, _Load] = {}
         self._stages: dict[str, _Load] = {}  # by request: reading ahead of its load
         self._stages_over: list[str] = []  # requests whose stage is over, to report
-        self._staged_unused: set[bytes] = set()  # keys stages published, no load used yet
+        # Keys stages published for requests that still wait, no load used yet: what
+        # counts against the stage share (``stage``).
+        self._staged_unused: set[bytes] = set()
+        self._staged_for: dict[str, list[bytes]] = {}  # request -> keys its stage published
         self._stage_budget = int(config.tiers.cpu.stage_share * self.host.num_blocks)
         self.stage_counts = StageCounts()
         self._stager = thread_pool(1, "kvtier-stage")
@@ -520,8 +527,9 @@ class ConnectorCache:
         """Read this shard's spill runs of ``hit`` (``keys`` its blocks' keys, ``parent``
         the key before them) into host slots ahead of the request's load, on the
         stager, with no engine blocks; once read they are host-pool blocks like any other
-        (``take_report`` tells the index). Blocks staged and not yet loaded take at most
-        ``stage_share`` of the pool; allocating slots evicts only unpinned blocks.
+        (``take_report`` tells the index). Blocks staged for requests that still wait
+        (until ``unstage``) and not yet loaded take at most ``stage_share`` of the pool;
+        allocating slots evicts only unpinned blocks.
         Returns how many blocks it stages; ``take_report`` names the request once the
         stage is over, whatever it read."""
         with self._lock:
@@ -553,12 +561,15 @@ class ConnectorCache:
             self.host.requeue([s for s in self.host.lookup_each(keys) if s is not None])
 
     def unstage(self, req_id: str) -> None:
-        """The request of a stage went away: its runs are not read if the read has not
-        begun; a read under way ends and publishes what it read."""
+        """The request of a stage no longer waits (it was scheduled, or went away): its
+        runs are not read if the read has not begun (a read under way ends and publishes
+        what it read), and the blocks its stage published no longer count against the
+        stage share, loaded or not: they are host-pool blocks like any other."""
         with self._lock:
             p = self._stages.get(req_id)
             if p is not None:
                 p.cancelled = True
+            self._staged_unused.difference_update(self._staged_for.pop(req_id, ()))
 
     @property
     def staging(self) -> bool:
@@ -655,6 +666,7 @@ class ConnectorCache:
         with self._lock:
             if self.host.reset():  # no eviction hook: staged blocks are gone unused
                 self._staged_unused.clear()
+                self._staged_for.clear()
 
     # ------------------------------------------------------------------ misc
     def counters(self) -> CacheStats:
@@ -816,8 +828,9 @@ class ConnectorCache:
                 p.spill_slots[:loaded], keys, p.start + n_host, parent, p.runs
             )
             self._changes.update(dict.fromkeys(keys, True))
-            if not p.blocks:
+            if not p.blocks and not p.cancelled:  # staged for a request that still waits
                 self._staged_unused.update(keys)
+                self._staged_for[req_id] = keys
         self.host.free(p.slots)
         from_host = min(p.valid, n_host)
         if from_host:

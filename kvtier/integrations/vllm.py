@@ -231,8 +231,8 @@ class KVTierMetadata(KVConnectorMetadata):
     ``idle``: the step computes nothing (every request waits for its load).
     ``stages``: reads ahead for waiting requests; ``keep``: the base keys of waiting
     requests' hits, the first in vLLM's queue first, whose host blocks are queued again
-    as the newest before those reads evict; ``unstaged``: requests that went away,
-    whose stages need not be read."""
+    as the newest before those reads evict; ``unstaged``: requests with a stage that
+    no longer wait (scheduled, or gone): their stages are no longer ahead of them."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
@@ -246,12 +246,13 @@ class KVTierMetadata(KVConnectorMetadata):
 @dataclass(frozen=True)
 class _Lookup:
     """A lookup's answer for blocks ``start..wanted`` of a request, made at ``at``
-    (``time.monotonic()``)."""
+    (``time.monotonic()``), when the index had heard of ``host_losses`` losses."""
 
     at: float
     start: int
     wanted: int
     hit: ConnectorHit
+    host_losses: int
 
 
 @dataclass
@@ -412,8 +413,6 @@ class KVTierConnector(KVConnectorBase_V1):
         assert isinstance(meta, KVTierMetadata)
         if meta.reset:
             self._guarded("reset", self.cache.reset)
-        for req_id in meta.unstaged:
-            self._guarded("start_load_kv", self.cache.unstage, req_id)
         for spec in meta.loads:
             if spec.asynchronous:
                 self._async_loads[spec.req_id] = spec.block_ids
@@ -423,6 +422,8 @@ class KVTierConnector(KVConnectorBase_V1):
         if sync:  # this step computes with them: their spill reads must be in place
             self._guarded("start_load_kv", self.cache.wait_loads, None, sync)
             self._collect_loads()  # see which sync loads failed before saving below
+        for req_id in meta.unstaged:  # after the loads: they count the staged blocks used
+            self._guarded("start_load_kv", self.cache.unstage, req_id)
         if meta.keep:  # before the stages evict
             self._guarded("start_load_kv", self._keep, meta.keep)
         for stage in meta.stages:  # after the loads: they are wanted now
@@ -645,7 +646,9 @@ class KVTierConnector(KVConnectorBase_V1):
         others_run = bool(self._running.difference((request.request_id,)))
         state.hit, state.asynchronous = hit, others_run
         if self._staging and hit.spill:  # staged at the step's end unless vLLM runs it now
-            self._waiting.setdefault(request.request_id, state).stage_due = 0.0
+            self._waiting.setdefault(request.request_id, state)
+            if state.stage_due == math.inf:  # its last look for a stage found no hit
+                state.stage_due = 0.0
         return hit.num_blocks * self.block_size, state.asynchronous
 
     @timed
@@ -656,6 +659,7 @@ class KVTierConnector(KVConnectorBase_V1):
         state = self._state(request)
         hit, state.hit = state.hit, None
         self._waiting.pop(request.request_id, None)
+        self._unstage(state)
         if not num_external_tokens or hit is None:
             return
         hit = hit.truncated(num_external_tokens // self.block_size)
@@ -744,8 +748,8 @@ class KVTierConnector(KVConnectorBase_V1):
         state = self._requests.pop(request.request_id, None)
         self._waiting.pop(request.request_id, None)
         self._running.discard(request.request_id)
-        if state is not None and state.staging:
-            self._unstaged.append(request.request_id)
+        if state is not None:
+            self._unstage(state)
         return False, None
 
     def take_events(self) -> Iterable[KVCacheEvent]:
@@ -770,38 +774,47 @@ class KVTierConnector(KVConnectorBase_V1):
             state.keys.clear()
             state.hit = state.last_lookup = None
             state.saves = False
-            state.staging.clear()
-            state.held, state.stage_blocks = [], 0
+            self._unstage(state)
+            state.held = []
         return True
 
     # ------------------------------------------------------------------ helpers
     def _match(self, state: _RequestState) -> ConnectorHit | None:
         """The hit past vLLM's own (``state.start``), looked up at most once per
-        ``LOOKUP_REUSE`` seconds."""
+        ``LOOKUP_REUSE`` seconds, and again as soon as a host pool has lost blocks when
+        the hit holds host blocks: a load of host blocks gone fails, and vLLM then
+        recomputes them, where a lookup now finds them on disk or in Redis."""
         wanted = (state.request.num_tokens - 1) // self.block_size
         start = state.start
         if start >= wanted or state.failed:
             return None
-        last, now = state.last_lookup, time.monotonic()
-        if last and (last.start, last.wanted) == (start, wanted) and now - last.at < LOOKUP_REUSE:
+        last, now, losses = state.last_lookup, time.monotonic(), self.index.host_losses
+        if (
+            last
+            and (last.start, last.wanted) == (start, wanted)
+            and now - last.at < LOOKUP_REUSE
+            and (not last.hit.host_blocks or last.host_losses == losses)
+        ):
             return last.hit
         hit = self.index.lookup(self._keys(state)[:wanted], start)
-        state.last_lookup = _Lookup(now, start, wanted, hit)
+        state.last_lookup = _Lookup(now, start, wanted, hit, losses)
         return hit
 
     def _plan_stages(self) -> tuple[list[StageSpec], list[list[bytes]]]:
         """The stages of the waiting requests due for one, and the keys of their hits to
         keep, both in arrival order (the order vLLM schedules them in).
 
-        A request is due on arrival, when a lookup of vLLM's finds spill blocks in its
-        hit, and every ``LOOKUP_REUSE`` seconds while it waits: it is looked up again
-        while the stages of the requests before it leave room in the share (a stage the
-        workers had no room for is made, in queue order, once staged blocks are used),
+        A request is due on arrival and every ``LOOKUP_REUSE`` seconds while it waits,
+        not in every step vLLM asks for it (one whose last look found no hit: once a
+        lookup of vLLM's finds spill blocks). It is looked up again while the stages of
+        the requests before it leave room in the share (a stage the workers had no
+        room for is made, in queue order, once staged blocks are used or released),
         and the blocks of its hit (host and staged) are kept from the evictions of the
-        stages and saves behind it while the hits before it leave room in the pool. A
+        stages and saves behind it while the hits before it leave room in the pool: when
+        it is due, and in every step that plans a stage. A
         long queue costs no lookups past the share, and one whose lookup found nothing
         is not looked up again here (vLLM's own lookup finds what has come since)."""
-        stages, keep, now = [], [], time.monotonic()
+        stages, due, walked, now = [], [], [], time.monotonic()
         staged = held = 0  # blocks that the requests walked so far stage, and hold
         for state in self._waiting.values():
             if held >= self._pool_blocks:
@@ -811,10 +824,13 @@ class KVTierConnector(KVConnectorBase_V1):
                 if staged < self._stage_room:
                     stage = self._guarded("build_connector_meta", self._stage_spec, state)
                     stages += [stage] if stage is not None else []
-                keep += [state.held] if state.held else []
+                due += [state.held] if state.held else []
+            walked.append(state)
             staged += state.stage_blocks
             held += len(state.held)
-        return stages, keep
+        if stages:  # they evict: every hit walked is kept from them, not only those due
+            return stages, [state.held for state in walked if state.held]
+        return stages, due
 
     def _stage_spec(self, state: _RequestState) -> StageSpec | None:
         """The stage of the spill-tier part of a waiting request's hit past vLLM's own
@@ -840,6 +856,15 @@ class KVTierConnector(KVConnectorBase_V1):
             self.trace.event("stage_planned", req_id, blocks=spill.num_blocks)
         self._note(state, start, start + spill.num_blocks)
         return StageSpec(req_id, spill, keys[start : start + spill.num_blocks], parent)
+
+    def _unstage(self, state: _RequestState) -> None:
+        """The request no longer waits for a stage of it (vLLM scheduled it, it went away,
+        or the key space moved): the workers stop reading its stage if they have not
+        begun, and its staged blocks leave the stage share."""
+        if state.staging or state.stage_blocks:
+            self._unstaged.append(state.request.request_id)
+            state.staging.clear()
+            state.stage_blocks = 0
 
     def _load_spec(self, state: _RequestState, hit: ConnectorHit, targets: list[int]) -> LoadSpec:
         keys = self._keys(state)

@@ -31,6 +31,7 @@ from vllm.config import (  # noqa: E402
 )
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 
 from kvtier.connector import ConnectorCache, ConnectorIndex  # noqa: E402
@@ -724,6 +725,61 @@ def test_a_stage_the_share_had_no_room_for_is_made_once_the_staged_blocks_are_us
     assert engine.workers[0].cache.stage_counts.used == 8
 
 
+def _fill_the_stage_share(tiny_model, engines, tmp_path) -> tuple[Engine, Request, list[bytes]]:
+    """An engine whose stage share (4 blocks) is full of the stage of waiting request
+    ``r``, and the chain of another request whose blocks are on disk."""
+    first, second = _hashes(26, 4), _hashes(27, 4)
+    _on_disk(tiny_model, engines, _disk(tmp_path), first)
+    _on_disk(tiny_model, engines, _disk(tmp_path), second)
+    engine = engines(tiny_model, _disk(tmp_path, host="256KiB", stage_share=0.25))
+    r = _request("r", first)
+    engine.arrive(r)
+    assert _staged(engine) == [4]
+    return engine, r, second
+
+
+def test_staged_blocks_that_vllms_own_hit_made_unneeded_leave_the_stage_share(
+    tiny_model, engines, tmp_path
+):
+    engine, r, second = _fill_the_stage_share(tiny_model, engines, tmp_path)
+    r.num_computed_tokens = 4 * BLOCK  # vLLM's own prefix cache holds r's prefix by now
+    assert engine.admit(r, [5, 6, 7, 8, 9], new=False) == (0, False)
+    engine.step({"r": 1})
+    engine.arrive(_request("s", second))
+    assert _staged(engine) == [8]
+    assert engine.workers[0].cache.stage_counts.used == 0
+
+
+def test_staged_blocks_of_a_request_that_went_away_leave_the_stage_share(
+    tiny_model, engines, tmp_path
+):
+    engine, r, second = _fill_the_stage_share(tiny_model, engines, tmp_path)
+    engine.scheduler.request_finished(r, [])  # the client gave up while r waited
+    engine.arrive(_request("s", second))
+    assert _staged(engine) == [8]
+
+
+def test_a_stage_the_workers_had_no_room_for_is_not_planned_again_in_each_step_vllm_asks(
+    tiny_model, engines, tmp_path, monkeypatch
+):
+    chain = _hashes(28, 4)
+    _on_disk(tiny_model, engines, _disk(tmp_path), chain)
+    engine = engines(tiny_model, _disk(tmp_path))
+    cache = engine.workers[0].cache
+    cache._stage_budget = 0  # the share is full on the worker
+    planned = []
+    stage = cache.stage
+    monkeypatch.setattr(
+        cache, "stage", lambda req_id, *a: planned.append(req_id) or stage(req_id, *a)
+    )
+    request = _request("s", chain)
+    engine.arrive(request)
+    for _ in range(3):  # vLLM cannot schedule it: it asks in each step, finding it on disk
+        engine.scheduler.get_num_new_matched_tokens(request, 0)
+        engine.step({})
+    assert planned == ["s"]
+
+
 def test_requests_queued_behind_a_full_stage_share_are_not_looked_up(
     tiny_model, engines, tmp_path, monkeypatch
 ):
@@ -767,6 +823,50 @@ def test_a_waiting_requests_host_hit_outlives_the_evictions_of_stages_behind_it(
     engine.arrive(_request("s", others[-1]))  # its stage evicts 4 blocks
     assert _staged(engine) == [4]
     assert engine.admit(request, [5, 6, 7, 8, 9], new=False) == (4 * BLOCK, False)  # host
+
+
+def test_a_waiting_requests_host_hit_outlives_a_stage_planned_before_it_is_due_again(
+    tiny_model, engines, tmp_path, monkeypatch
+):
+    waiting, staged, *others = (_hashes(62 + i, 4) for i in range(5))
+    _on_disk(tiny_model, engines, _disk(tmp_path), staged)
+    engine = engines(tiny_model, _disk(tmp_path, host="256KiB", stage_share=0.25))
+    monkeypatch.setattr(kvtier_vllm, "LOOKUP_REUSE", 60.0)  # r is due on arrival only
+    engine.serve(_request("o", waiting), [0, 1, 2, 3, 4])
+    request = _request("r", waiting)
+    engine.arrive(request)  # waits, its hit in the host pool (16 blocks of 16 KiB)
+    for i, chain in enumerate(others):  # served meanwhile: r's hit is the oldest now
+        engine.serve(_request(f"o{i}", chain), [10, 11, 12, 13, 14])
+        engine.workers[0].cache.flush()  # no slot pinned by a write-through encode
+    engine.arrive(_request("s", staged))  # its stage evicts 4 blocks
+    assert _staged(engine) == [4]
+
+    n, _ = engine.admit(request, [5, 6, 7, 8, 9], new=False)
+    assert engine.scheduler.get_external_cache_hit_sources(request, n) == {
+        CacheHitSource.HOST: 4 * BLOCK
+    }
+    assert engine.step({"r": 1}) == (set(), set())
+
+
+def test_a_waiting_requests_lookup_is_made_again_once_its_host_blocks_are_evicted(
+    tiny_model, engines, tmp_path, monkeypatch
+):
+    engine = engines(tiny_model, _disk(tmp_path, host="256KiB"))  # 16 blocks of 16 KiB
+    monkeypatch.setattr(kvtier_vllm, "LOOKUP_REUSE", 60.0)  # any later ask reuses it
+    chain = _hashes(60, 4)
+    engine.serve(_request("a", chain), [0, 1, 2, 3, 4])
+    engine.workers[0].cache.flush()  # on disk too, no slot pinned by a write-through
+    request = _request("r", chain)
+    engine.arrive(request)
+    assert engine.scheduler.get_num_new_matched_tokens(request, 0) == (4 * BLOCK, False)
+    saved = engine.kv(0, [0, 1, 2, 3])
+    engine.serve(_request("b", _hashes(61, 14)), list(range(15)))  # evicts 2 of a's
+    engine.workers[0].cache.flush()
+
+    assert engine.admit(request, [5, 6, 7, 8, 9], new=False) == (4 * BLOCK, False)
+    assert engine.step({"r": 1}) == (set(), set())  # none failed: 2 read from disk
+    for got, want in zip(engine.kv(0, [5, 6, 7, 8]), saved, strict=True):
+        assert torch.equal(got, want)
 
 
 def test_the_host_pool_evicts_a_saved_chain_from_its_tail(tiny_model, engines):
