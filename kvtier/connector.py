@@ -241,7 +241,6 @@ class ConnectorIndex:
         self.shards: list[ShardSpec] = []
         self._held: dict[str, set[bytes]] = {}  # shard name -> keys its host pool holds
         self._queued: dict[str, dict[bytes, int]] = {}  # tier -> values queued for it: size
-        self.host_losses = 0  # reports that a host pool lost blocks, so far
         namespace = spill_namespace(config, name)
         # A worker in this process has the tiers open already (vLLM registers the KV
         # caches before it builds the scheduler), and LMDB allows one opening per
@@ -271,11 +270,7 @@ class ConnectorIndex:
         if not self.shards or start >= len(keys):
             return ConnectorHit(start)
         per_shard = [shard_keys(s.root, keys[start:], self._hashing.algorithm) for s in self.shards]
-        host = 0
-        while host < len(keys) - start and all(
-            ks[host] in self._held[s.name] for s, ks in zip(self.shards, per_shard)
-        ):
-            host += 1
+        host = self._host_run(per_shard)
         if not self.tiers or start + host == len(keys):
             return ConnectorHit(start, host)
         below = [ks[host:] for ks in per_shard]
@@ -287,18 +282,31 @@ class ConnectorIndex:
             return ConnectorHit(start, host)
         return ConnectorHit(start, host, {s.name: tuple(r) for s, r in zip(self.shards, spill)})
 
+    def holds(self, keys: Sequence[bytes]) -> bool:
+        """Whether every shard's host pool holds all of ``keys`` (base keys), as last
+        reported."""
+        if not keys:
+            return True
+        per_shard = [shard_keys(s.root, keys, self._hashing.algorithm) for s in self.shards]
+        return bool(self.shards) and self._host_run(per_shard) == len(keys)
+
+    def _host_run(self, per_shard: list[list[bytes]]) -> int:
+        """How many leading keys every shard's host pool holds (each shard's keys)."""
+        held = [self._held[s.name] for s in self.shards]
+        n, size = 0, len(per_shard[0])
+        while n < size and all(ks[n] in h for h, ks in zip(held, per_shard)):
+            n += 1
+        return n
+
     def apply(self, reports: dict[str, ShardReport]) -> None:
         """Take the workers' reports of a step (by shard)."""
         for name, report in reports.items():
             keys = self._held.setdefault(name, set())
-            lost = False
             for key, present in report.held.items():
                 if present:
                     keys.add(key)
                 else:
-                    lost = lost or key in keys
                     keys.discard(key)
-            self.host_losses += lost
             for tier, sizes in report.queued.items():
                 queued = self._queued.setdefault(tier, {})
                 for key, size in sizes.items():

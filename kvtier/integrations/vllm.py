@@ -246,13 +246,12 @@ class KVTierMetadata(KVConnectorMetadata):
 @dataclass(frozen=True)
 class _Lookup:
     """A lookup's answer for blocks ``start..wanted`` of a request, made at ``at``
-    (``time.monotonic()``), when the index had heard of ``host_losses`` losses."""
+    (``time.monotonic()``)."""
 
     at: float
     start: int
     wanted: int
     hit: ConnectorHit
-    host_losses: int
 
 
 @dataclass
@@ -781,23 +780,23 @@ class KVTierConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ helpers
     def _match(self, state: _RequestState) -> ConnectorHit | None:
         """The hit past vLLM's own (``state.start``), looked up at most once per
-        ``LOOKUP_REUSE`` seconds, and again as soon as a host pool has lost blocks when
-        the hit holds host blocks: a load of host blocks gone fails, and vLLM then
+        ``LOOKUP_REUSE`` seconds, and again as soon as the host pools no longer hold the
+        host blocks of the last answer: a load of host blocks gone fails, and vLLM then
         recomputes them, where a lookup now finds them on disk or in Redis."""
         wanted = (state.request.num_tokens - 1) // self.block_size
         start = state.start
         if start >= wanted or state.failed:
             return None
-        last, now, losses = state.last_lookup, time.monotonic(), self.index.host_losses
+        last, now, keys = state.last_lookup, time.monotonic(), self._keys(state)
         if (
             last
             and (last.start, last.wanted) == (start, wanted)
             and now - last.at < LOOKUP_REUSE
-            and (not last.hit.host_blocks or last.host_losses == losses)
+            and self.index.holds(keys[start : start + last.hit.host_blocks])
         ):
             return last.hit
-        hit = self.index.lookup(self._keys(state)[:wanted], start)
-        state.last_lookup = _Lookup(now, start, wanted, hit, losses)
+        hit = self.index.lookup(keys[:wanted], start)
+        state.last_lookup = _Lookup(now, start, wanted, hit)
         return hit
 
     def _plan_stages(self) -> tuple[list[StageSpec], list[list[bytes]]]:
