@@ -880,17 +880,13 @@ def test_the_host_pool_evicts_a_saved_chain_from_its_tail(tiny_model, engines):
 def test_blocks_staged_before_a_reset_no_longer_count_against_the_share(
     tiny_model, engines, tmp_path
 ):
-    first, second = _hashes(27, 4), _hashes(28, 4)
-    _on_disk(tiny_model, engines, _disk(tmp_path), first)
-    _on_disk(tiny_model, engines, _disk(tmp_path), second)
-    engine = engines(tiny_model, _disk(tmp_path, host="256KiB", stage_share=0.25))
-    request = _request("r", first)
-    engine.arrive(request)
-    assert _staged(engine) == [4]  # the whole share
-    engine.scheduler.request_finished(request, [])  # its staged blocks stay, unused
-    engine.workers[0].cache.reset()
-    engine.arrive(_request("s", second))
-    assert _staged(engine) == [8]
+    engine, _, second = _fill_the_stage_share(tiny_model, engines, tmp_path)
+    cache, index = engine.workers[0].cache, engine.scheduler.index
+    base = index.keys(second)
+    hit = index.lookup(base, 0)  # on disk
+    assert cache.stage("s", cache.keys(base), cache.root, hit) == 0  # r's fill the share
+    cache.reset()  # r still waits: its staged blocks are gone unused
+    assert cache.stage("t", cache.keys(base), cache.root, hit) == 4
 
 
 def test_no_stage_is_made_with_a_stage_share_of_zero(tiny_model, engines, tmp_path):
