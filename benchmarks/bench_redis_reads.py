@@ -115,31 +115,25 @@ class Bench:
 
     def case(self, name: str, reader: Reader | None, process: bool = False) -> None:
         stop, done = threading.Event(), [0]
-        if reader is None:
-            steps = engine_steps(self.seconds)
-            lookups = self.lookup_times()
-        elif process:
+        worker: threading.Thread | mp.process.BaseProcess | None = None
+        if reader is not None and process:
             ctx = mp.get_context("fork")
             stop, count = ctx.Event(), ctx.Value("q", 0)  # shared with the process
-            proc = ctx.Process(target=_count_reads, args=(reader, stop, count))
-            proc.start()
+            worker = ctx.Process(target=_count_reads, args=(reader, stop, count))
+            worker.start()
             time.sleep(0.2)  # the process is reading
-            start = time.perf_counter()
-            steps = engine_steps(self.seconds)
-            elapsed = time.perf_counter() - start
-            lookups = self.lookup_times()
-            stop.set()
-            proc.join()
+        elif reader is not None:
+            worker = threading.Thread(target=reader, args=(stop, done))
+            worker.start()
+        start = time.perf_counter()
+        steps = engine_steps(self.seconds)
+        elapsed = time.perf_counter() - start
+        lookups = self.lookup_times()
+        stop.set()
+        if worker is not None:
+            worker.join()
+        if reader is not None and process:
             done[0] = round(count.value * elapsed / (elapsed + 0.2))
-        else:
-            thread = threading.Thread(target=reader, args=(stop, done))
-            thread.start()
-            start = time.perf_counter()
-            steps = engine_steps(self.seconds)
-            elapsed = time.perf_counter() - start
-            lookups = self.lookup_times()
-            stop.set()
-            thread.join()
         self.steps.setdefault(name, []).append(statistics.median(steps) * 1000)
         self.lookups.setdefault(name, []).append(lookups[int(0.99 * len(lookups))])
         if reader is not None:
@@ -159,6 +153,7 @@ class Bench:
             if r == 0:  # warm-up
                 self.steps.clear()
                 self.rates.clear()
+                self.lookups.clear()
 
     def results(self) -> list[Result]:
         alone = summarize(self.steps["alone"])
