@@ -122,7 +122,7 @@ class CPUTierConfig:
     pin_memory: bool | None = None
     write_policy: HostWritePolicy = "on_evict"
     eviction: EvictionPolicy = "reuse"
-    stage_share: float = 0.25
+    stage_share: float = 0.5
 
 
 @dataclass(frozen=True)
