@@ -368,6 +368,7 @@ class _Load:
     transfer: Transfer | None = None
     error: BaseException | None = None
     cancelled: bool = False  # a stage no longer ahead of its request: not read if not begun
+    reading: bool = False  # a stage's read has begun: its slots are the read's until it ends
     inline: bool = False  # a host-only load copied by ``load`` itself, not on a worker
     finished: threading.Event = field(default_factory=threading.Event)
 
@@ -487,8 +488,8 @@ class ConnectorCache:
         """Pin ``hit`` for loading into engine ``blocks`` (one per hit block); ``keys``
         are this shard's keys of the hit's blocks, ``parent`` that of the block before
         (the root for block 0). Returns how many leading blocks it pinned; the rest (host
-        slots evicted since the index saw them, no staging slots free) the load reports
-        failed."""
+        slots evicted since the index saw them, no staging slots free even with those of
+        the stages not yet reading, ``_make_room``) the load reports failed."""
         if len(blocks) != hit.num_blocks or len(keys) != hit.num_blocks:
             raise ValueError(
                 f"{len(blocks)} engine blocks and {len(keys)} keys for a hit of "
@@ -508,6 +509,7 @@ class ConnectorCache:
             runs = hit.spill.get(self.shard, ())
             if len(host_slots) < hit.host_blocks:
                 runs = ()  # a gap: what comes after it cannot be used
+            self._make_room(sum(run.num_blocks for run in runs))
             staging, runs = self.below.stage(runs)
             n = len(host_slots) + len(staging)
             self._loads[req_id] = _Load(
@@ -556,7 +558,6 @@ class ConnectorCache:
             p = _Load(list(keys[:n]), parent, hit.start, [], [], slots, runs, [])
             p.started = time.perf_counter()
             self._stages[req_id] = p
-            self.stage_counts.staged += n
         self._stager.submit(self._read_stage, p)
         return n
 
@@ -576,8 +577,28 @@ class ConnectorCache:
         with self._lock:
             p = self._stages.get(req_id)
             if p is not None:
-                p.cancelled = True
+                self._cancel_stage(p)
             self._staged_unused.difference_update(self._staged_for.pop(req_id, ()))
+
+    def _cancel_stage(self, p: _Load) -> None:
+        """Cancel stage ``p`` (under the lock): if its read has not begun, it reads
+        nothing, its slots are unpinned now and it is over (reported in the next step)."""
+        p.cancelled = True
+        if not p.reading:
+            self.host.free(p.spill_slots)
+            p.spill_slots, p.runs = [], ()
+            p.finished.set()
+
+    def _make_room(self, needed: int) -> None:
+        """Unpin the slots of stages whose read has not begun, latest first, until
+        ``needed`` slots are unpinned or none is left (under the lock): a load is wanted
+        now and a stage only ahead of time, so a load never fails for the slots of a
+        stage that could still give them back. The stage's request is looked up again."""
+        for p in reversed(self._stages.values()):
+            if needed <= self.host.num_free:
+                return
+            if not p.cancelled:
+                self._cancel_stage(p)
 
     @property
     def staging(self) -> bool:
@@ -776,8 +797,6 @@ class ConnectorCache:
         end."""
         p.times.run = time.time()
         try:
-            if p.cancelled:
-                return
             valid = len(p.host_slots)
             if p.runs:
                 p.result = self.spill.load(p.runs, p.spill_slots)
@@ -804,7 +823,10 @@ class ConnectorCache:
     def _read_stage(self, p: _Load) -> None:
         with self._no_loads_reading:
             self._no_loads_reading.wait_for(lambda: not self._loads_reading, STAGE_YIELD)
-        self._run_load(p, None)
+        with self._lock:  # from here on, the stage's slots are its read's
+            p.reading = not p.cancelled
+        if p.reading:  # else it is over already (``_cancel_stage``)
+            self._run_load(p, None)
 
     def _count_loads_reading(self, change: int) -> None:
         with self._no_loads_reading:
@@ -836,6 +858,8 @@ class ConnectorCache:
                 p.spill_slots[:loaded], keys, p.start + n_host, parent, p.runs
             )
             self._changes.update(dict.fromkeys(keys, True))
+            if not p.blocks:
+                self.stage_counts.staged += loaded
             if not p.blocks and not p.cancelled:  # staged for a request that still waits
                 self._staged_unused.update(keys)
                 self._staged_for[req_id] = keys

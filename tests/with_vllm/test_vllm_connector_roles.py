@@ -897,6 +897,28 @@ def test_no_stage_is_made_with_a_stage_share_of_zero(tiny_model, engines, tmp_pa
     assert _staged(engine) == [0]
 
 
+def test_a_load_takes_the_host_slots_of_a_stage_whose_read_has_not_begun(
+    tiny_model, engines, tmp_path
+):
+    waiting, scheduled = _hashes(37, 4), _hashes(38, 6)
+    _on_disk(tiny_model, engines, _disk(tmp_path), waiting)
+    saved = _on_disk(tiny_model, engines, _disk(tmp_path), scheduled)
+    # 16 KiB blocks: a pool of 8, half of it for stages
+    engine = engines(tiny_model, _disk(tmp_path, host="128KiB", stage_share=0.5))
+    cache = engine.workers[0].cache
+    gate = _busy(cache._stager)
+    engine.arrive(_request("s", waiting))  # its stage pins 4 slots, queued behind the gate
+    try:
+        assert engine.admit(_request("r", scheduled), list(range(5, 12))) == (6 * BLOCK, False)
+        assert engine.step({"r": 1}) == (set(), set())
+    finally:
+        gate.set()
+    for got, want in zip(engine.kv(0, list(range(5, 11))), saved, strict=True):
+        assert torch.equal(got, want)
+    assert _staged(engine) == [0]
+    assert cache.host.num_free == cache.host.num_blocks  # no slot left pinned
+
+
 def test_a_stage_whose_request_goes_away_before_its_read_reads_nothing_and_pins_nothing(
     tiny_model, engines, tmp_path
 ):
