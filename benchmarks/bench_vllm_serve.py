@@ -61,7 +61,10 @@ so they should be equal).
 The hook table gives what each of kvtier's connector hooks costs per engine step, read
 from the counters the connector reports to vLLM's ``/metrics``
 (``vllm:kvtier_hook_calls_total`` / ``vllm:kvtier_hook_seconds_total``; the scheduler's
-hooks run in vLLM's engine-core process, the workers' in each worker's).
+hooks run in vLLM's engine-core process, the workers' in each worker's). Beside it, each
+kvtier server's blocks that vLLM recomputed because kvtier reported them not loaded
+(``vllm:kvtier_load_error_blocks_total``): a failed load costs its request a recompute,
+which a mean TTFT alone does not tell apart from a slow read.
 """
 
 from __future__ import annotations
@@ -91,6 +94,7 @@ from kvtier.progress import progress
 from kvtier.tracegen import WorkloadShape, generate, write_trace
 
 BENCHMARK = "bench_vllm_serve"
+LOAD_ERRORS = "vllm:kvtier_load_error_blocks_total"  # vLLM's counter, any labels
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "vllm.yaml"
 DTYPE = "float32"  # bf16 matmuls are several times slower on CPUs without AMX
@@ -240,6 +244,7 @@ class Run:
     metrics: dict[str, float]
     texts: list[str]
     hooks: dict[str, tuple[float, float]] = field(default_factory=dict)  # calls, seconds
+    load_errors: float = 0.0  # blocks kvtier reported not loaded (vLLM recomputed them)
 
 
 def workloads(quick: bool, work: Path) -> list[Workload]:
@@ -418,7 +423,8 @@ def drive(server: VLLMServer, workload: Workload, log: Path, args: list[str] | N
     if result["completed"] != len(result["generated_texts"]) or result["completed"] == 0:
         raise SystemExit(f"{workload.name}: {result['completed']} requests completed; see {log}")
     metrics = {key: float(result[key]) for key, _, _ in METRICS}
-    return Run(metrics, list(result["generated_texts"]), hook_costs(before, after))
+    errors = sum(v - before.get(k, 0.0) for k, v in after.items() if k.startswith(LOAD_ERRORS))
+    return Run(metrics, list(result["generated_texts"]), hook_costs(before, after), errors)
 
 
 def hook_costs(before: dict[str, float], after: dict[str, float]) -> dict[str, tuple[float, float]]:
@@ -496,6 +502,7 @@ def details(plan: list[Workload], names: list[str], runs: dict) -> dict[str, Any
     repeat, and every run's figures."""
     replies: dict[str, dict[str, list[int]]] = {}
     hooks: dict[str, dict[str, dict[str, float]]] = {}
+    errors: dict[str, float] = {}
     for workload in plan:
         alone = runs[workload.name, workload.alone]
         for name in (s for s in workload.servers if s in names and s != workload.alone):
@@ -505,13 +512,14 @@ def details(plan: list[Workload], names: list[str], runs: dict) -> dict[str, Any
             replies.setdefault(workload.name, {})[name] = [equal, total]
             if name.startswith("kvtier"):
                 hooks[f"{workload.name}: {name}"] = per_step(mine)
+                errors[f"{workload.name}: {name}"] = sum(r.load_errors for r in mine)
         if len(alone) > 1:  # the same server twice: how far batching alone moves replies
             first, *others = alone
             same = sum(a == b for x in others for a, b in zip(first.texts, x.texts))
             replies[workload.name]["alone, repeat vs repeat"] = [
                 same, sum(len(x.texts) for x in others)]  # fmt: skip
     figures = {f"{w} | {s}": [r.metrics for r in got] for (w, s), got in runs.items()}
-    return {"replies_equal": replies, "hook_us_per_step": hooks,
+    return {"replies_equal": replies, "hook_us_per_step": hooks, "load_error_blocks": errors,
             "target_ratio_per_repeat": paired_ratios(runs), "runs": figures}  # fmt: skip
 
 
@@ -550,6 +558,9 @@ def print_details(details: dict[str, Any]) -> None:
     for workload, by_server in details["replies_equal"].items():
         cells = ", ".join(f"{s} {e}/{n}" for s, (e, n) in by_server.items())
         print(f"  {workload}: {cells}")
+    print("\nblocks vLLM recomputed after a kvtier load error, over the repeats:")
+    for case, blocks in details["load_error_blocks"].items():
+        print(f"  {case}: {blocks:.0f}")
     print("\neach target's ratio per repeat (to the reference of the same repeat):")
     for case, ratios in details["target_ratio_per_repeat"].items():
         print(f"  {case}: " + " ".join(f"{r:.3f}" for r in ratios))
