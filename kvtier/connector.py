@@ -487,9 +487,10 @@ class ConnectorCache:
     ) -> int:
         """Pin ``hit`` for loading into engine ``blocks`` (one per hit block); ``keys``
         are this shard's keys of the hit's blocks, ``parent`` that of the block before
-        (the root for block 0). Returns how many leading blocks it pinned; the rest (host
-        slots evicted since the index saw them, no staging slots free even with those of
-        the stages not yet reading, ``_make_room``) the load reports failed."""
+        (the root for block 0). Host blocks evicted since the index saw them are read
+        from the spill tiers if they hold them. Returns how many leading blocks it
+        pinned; the rest (not held below either, no staging slots free even with those
+        of the stages not yet reading, ``_make_room``) the load reports failed."""
         if len(blocks) != hit.num_blocks or len(keys) != hit.num_blocks:
             raise ValueError(
                 f"{len(blocks)} engine blocks and {len(keys)} keys for a hit of "
@@ -508,7 +509,11 @@ class ConnectorCache:
                 self.stage_counts.used += len(used)
             runs = hit.spill.get(self.shard, ())
             if len(host_slots) < hit.host_blocks:
-                runs = ()  # a gap: what comes after it cannot be used
+                # Evicted since the index saw them (its reports lag the pool by a step):
+                # the rest of the hit is read from the spill tiers, as far as they hold it.
+                held = len(host_slots)
+                below = self.spill.lookup(keys[held:], hit.start + held) if self.spill else []
+                runs = tuple(below)
             self._make_room(sum(run.num_blocks for run in runs))
             staging, runs = self.below.stage(runs)
             n = len(host_slots) + len(staging)

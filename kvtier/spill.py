@@ -350,10 +350,11 @@ class SpillManager:
 
     # ------------------------------------------------------------------ read path
     def lookup(self, hashes: Sequence[bytes], start: int) -> list[SpillRun]:
-        """Runs of stored chunks that extend the prefix ``hashes[:start]``, tier by tier;
-        a value still queued for its tier counts as stored (see "In flight")."""
+        """Runs of stored chunks of the blocks ``hashes`` at chain positions ``start..``
+        (extending a prefix of ``start`` blocks), tier by tier; a value still queued for
+        its tier counts as stored (see "In flight")."""
         (runs,), looked = find_runs(
-            self.tiers, [hashes[start:]], start, [self.shape], self._queued_sizes, self._count_error
+            self.tiers, [hashes], start, [self.shape], self._queued_sizes, self._count_error
         )
         with self._lock:
             for name, (asked, found) in looked.items():

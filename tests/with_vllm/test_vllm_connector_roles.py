@@ -403,7 +403,9 @@ def test_a_request_whose_load_failed_is_not_offered_another(
     assert reader.scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
 
 
-def test_blocks_evicted_since_the_last_report_are_load_errors(tiny_model, engines):
+def test_blocks_evicted_since_the_last_report_and_held_nowhere_below_are_load_errors(
+    tiny_model, engines
+):
     engine = engines(tiny_model, _host_only())
     chain = _hashes(3, 2)
     engine.serve(_request("a", chain), [0, 1, 2])
@@ -412,6 +414,22 @@ def test_blocks_evicted_since_the_last_report_are_load_errors(tiny_model, engine
     engine.workers[0].cache.reset()  # gone from the host pool before the load starts
     _, errors = engine.step({"b": 1})
     assert errors == {3, 4}
+
+
+def test_blocks_evicted_since_the_last_report_load_from_the_spill_tier_that_holds_them(
+    tiny_model, engines, tmp_path
+):
+    engine = engines(tiny_model, _disk(tmp_path))
+    chain = _hashes(39, 4)
+    engine.serve(_request("a", chain), [0, 1, 2, 3, 4])
+    saved = engine.kv(0, [0, 1, 2, 3])
+    cache = engine.workers[0].cache
+    cache.flush()  # written through to disk
+    assert engine.admit(_request("b", chain), [5, 6, 7, 8, 9]) == (4 * BLOCK, False)  # host
+    cache.reset()  # gone from the host pool before the load starts
+    assert engine.step({"b": 1}) == (set(), set())
+    for got, want in zip(engine.kv(0, [5, 6, 7, 8]), saved, strict=True):
+        assert torch.equal(got, want)
 
 
 def test_shards_store_under_keys_of_their_own(tiny_model, engines, tmp_path):
