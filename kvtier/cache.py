@@ -318,7 +318,8 @@ class TieredCache:
                 seconds = time.perf_counter() - start
                 self._stats.lookup_latency.observe(seconds)
         if self.spill is not None:
-            runs = self.spill.lookup(wanted[len(gpu) + len(host) :], len(gpu) + len(host))
+            above = len(gpu) + len(host)
+            runs = self.spill.lookup(wanted[above:], above)
             hit = PrefixHit(self.block_size, tuple(gpu), tuple(host), tuple(runs))
             seconds = time.perf_counter() - start
             with self._lock:

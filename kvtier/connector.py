@@ -863,11 +863,11 @@ class ConnectorCache:
                 p.spill_slots[:loaded], keys, p.start + n_host, parent, p.runs
             )
             self._changes.update(dict.fromkeys(keys, True))
-            if not p.blocks:
+            if not p.blocks:  # a stage
                 self.stage_counts.staged += loaded
-            if not p.blocks and not p.cancelled:  # staged for a request that still waits
-                self._staged_unused.update(keys)
-                self._staged_for[req_id] = keys
+                if not p.cancelled:  # for a request that still waits
+                    self._staged_unused.update(keys)
+                    self._staged_for[req_id] = keys
         self.host.free(p.slots)
         from_host = min(p.valid, n_host)
         if from_host:
