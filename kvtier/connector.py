@@ -826,8 +826,9 @@ class ConnectorCache:
             self._count_loads_reading(-1)
 
     def _read_stage(self, p: _Load) -> None:
-        with self._no_loads_reading:
-            self._no_loads_reading.wait_for(lambda: not self._loads_reading, STAGE_YIELD)
+        if not p.cancelled:  # one cancelled while queued holds up the stages behind it no more
+            with self._no_loads_reading:
+                self._no_loads_reading.wait_for(lambda: not self._loads_reading, STAGE_YIELD)
         with self._lock:  # from here on, the stage's slots are its read's
             p.reading = not p.cancelled
         if p.reading:  # else it is over already (``_cancel_stage``)
