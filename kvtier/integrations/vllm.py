@@ -781,8 +781,8 @@ class KVTierConnector(KVConnectorBase_V1):
     def _match(self, state: _RequestState) -> ConnectorHit | None:
         """The hit past vLLM's own (``state.start``), looked up at most once per
         ``LOOKUP_REUSE`` seconds, and again as soon as the host pools no longer hold the
-        host blocks of the last answer: a load of host blocks gone fails, and vLLM then
-        recomputes them, where a lookup now finds them on disk or in Redis."""
+        host blocks of the last answer: a load of host blocks gone finds them below only
+        by a spill lookup of its own, on the worker in the engine's step."""
         wanted = (state.request.num_tokens - 1) // self.block_size
         start = state.start
         if start >= wanted or state.failed:
