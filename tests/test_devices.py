@@ -1,10 +1,13 @@
 """The same round trips on every device there is: the GPU tier on the CPU here, and on
-CUDA (pinned host slab, copy streams and events) where a CUDA device is present."""
+CUDA (pinned host slab, copy streams and events) where a CUDA device is present; in
+native mode (``TieredCache``) and in connector mode (``ConnectorCache`` below an
+engine's KV tensors)."""
 
 from __future__ import annotations
 
 import random
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,8 @@ from test_cache_host import make_cache, prompt
 
 from kvtier.block_manager import StaleHitError
 from kvtier.cache import TieredCache
+from kvtier.config import parse_config
+from kvtier.connector import ConnectorCache, ConnectorHit, EngineKV, engine_layout
 from kvtier.synthetic import PoolExhausted, serve
 from kvtier.transfer import copy_blocks
 
@@ -109,6 +114,94 @@ def test_threads_serving_at_once_keep_kv_exact_and_pools_consistent(
     cache.gpu.check_invariants()
     cache.host.check_invariants()
     cache.close()
+
+
+def connector_worker(device: str, host_blocks: int, disk: Path | None = None) -> ConnectorCache:
+    """A worker's cache below 16 engine blocks of 2 layers on ``device`` (random bf16 KV),
+    with a host pool of ``host_blocks`` and, with ``disk``, an LMDB tier of 4-block
+    chunks; a waiting request's stage may take the whole pool."""
+    kv = EngineKV([torch.randn(16, 2, 4, 2, 8).to(torch.bfloat16).to(device) for _ in range(2)])
+    layout = engine_layout(kv, block_size=4, num_kv_heads=2, head_dim=8)
+    tiers: dict = {"cpu": {"capacity": host_blocks * layout.block_nbytes, "stage_share": 1.0}}
+    if disk is not None:
+        tiers["disk"] = {"path": str(disk / "lmdb"), "capacity": "64MiB", "chunk_blocks": 4}
+    return ConnectorCache(parse_config({"tiers": tiers}), kv, layout, "model", "rank0")
+
+
+def engine_kv(cache: ConnectorCache, blocks: slice) -> list[torch.Tensor]:
+    """A copy, on the CPU, of engine ``blocks`` of every layer."""
+    return [layer[blocks].to("cpu", copy=True) for layer in cache.kv.layers]
+
+
+def save_chain(cache: ConnectorCache, first: int) -> tuple[list[bytes], list[torch.Tensor]]:
+    """Save engine blocks 0-7 as a chain of 8 blocks whose base keys start at ``first``,
+    then overwrite them at once (the engine may reuse its blocks as soon as ``save``
+    returns). Returns the chain's keys and the KV it saved."""
+    keys = cache.keys([key.to_bytes(16, "little") for key in range(first, first + 8)])
+    saved = engine_kv(cache, slice(0, 8))
+    cache.save(list(range(8)), keys, cache.root, 0)
+    for layer in cache.kv.layers:
+        layer[:8].normal_()
+    return keys, saved
+
+
+def load_into_blocks_8_to_15(
+    cache: ConnectorCache, keys: list[bytes], hit: ConnectorHit, asynchronous: bool
+) -> None:
+    """Pin and load ``hit`` (8 blocks) into engine blocks 8-15, then wait until
+    ``finished_loads`` reports it over with no failed block."""
+    assert cache.pin("r", keys, cache.root, hit, list(range(8, 16))) == 8
+    cache.load("r", asynchronous)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        cache.wait_loads(timeout=1)
+        finished = dict(cache.finished_loads())
+        if "r" in finished:
+            assert finished["r"] == []
+            return
+        time.sleep(0.001)  # an inline copy on CUDA: over once its event is
+    raise AssertionError("the load was not over within 30 s")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["inline", "on a worker"])
+def test_connector_blocks_saved_to_the_host_pool_load_bit_exact(
+    device: str, asynchronous: bool
+) -> None:
+    cache = connector_worker(device, host_blocks=8)
+    try:
+        keys, saved = save_chain(cache, 0)
+        load_into_blocks_8_to_15(cache, keys, ConnectorHit(0, host_blocks=8), asynchronous)
+        assert all(map(torch.equal, engine_kv(cache, slice(8, 16)), saved))
+    finally:
+        cache.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("staged", [False, True], ids=["read by the load", "staged first"])
+def test_connector_blocks_spilled_to_disk_load_bit_exact(
+    device: str, staged: bool, tmp_path: Path
+) -> None:
+    cache = connector_worker(device, host_blocks=8, disk=tmp_path)
+    try:
+        keys, saved = save_chain(cache, 0)
+        save_chain(cache, 100)  # evicts the first chain from the 8-block host pool
+        cache.flush()
+        assert cache.host.lookup(keys) == []
+        runs = tuple(cache.spill.lookup(keys, 0))
+        hit = ConnectorHit(0, spill={cache.shard: runs})
+        assert hit.num_blocks == 8
+        if staged:
+            assert cache.stage("r", keys, cache.root, hit) == 8
+            cache.wait_loads()
+            cache.take_report()  # the stage is over: its blocks are host blocks
+            cache.unstage("r")
+            hit = ConnectorHit(0, host_blocks=len(cache.host.lookup(keys)))
+        load_into_blocks_8_to_15(cache, keys, hit, asynchronous=False)
+        assert all(map(torch.equal, engine_kv(cache, slice(8, 16)), saved))
+        assert cache.pinned_slots == 0
+    finally:
+        cache.close()
 
 
 @pytest.mark.skipif(NO_CUDA, reason="no CUDA device")
