@@ -155,8 +155,8 @@ def test_a_bad_namespace_record_is_named_and_left_out(tmp_path, caplog):
 
 def test_stats_with_the_vllm_config_counts_what_a_vllm_server_stored(stores, capsys):
     namespace = serve_like_vllm(MODEL_A, chains=2)
-    code, out, _ = cli(capsys, "stats")
-    assert code == 0
+    code, out, err = cli(capsys, "stats")
+    assert code == 0, err
     [disk] = rows(out, "disk")
     [row] = rows(out, "redis")
     assert disk[1] == row[1] == "4"  # 2 chains of 2 chunks
@@ -167,8 +167,8 @@ def test_stats_with_the_vllm_config_counts_what_a_vllm_server_stored(stores, cap
 def test_stats_shows_each_redis_namespace_on_a_row_of_its_own(stores, capsys):
     a = serve_like_vllm(MODEL_A, chains=2)
     b = serve_like_vllm(MODEL_B, chains=1, kv_heads=2)
-    code, out, _ = cli(capsys, "stats")
-    assert code == 0
+    code, out, err = cli(capsys, "stats")
+    assert code == 0, err
     assert rows(out, "disk")[0][1] == "6"  # one store for both
     by_namespace = {row[-1]: row[1] for row in rows(out, "redis")}
     assert by_namespace == {f"{stores}:{a}:*": "4", f"{stores}:{b}:*": "2"}
@@ -177,8 +177,8 @@ def test_stats_shows_each_redis_namespace_on_a_row_of_its_own(stores, capsys):
 def test_stats_of_one_namespace_shows_only_it(stores, capsys):
     serve_like_vllm(MODEL_A, chains=2)
     b = serve_like_vllm(MODEL_B, chains=1)
-    code, out, _ = cli(capsys, "stats", "--namespace", b)
-    assert code == 0
+    code, out, err = cli(capsys, "stats", "--namespace", b)
+    assert code == 0, err
     [row] = rows(out, "redis")
     assert row[1] == "2" and row[-1] == f"{stores}:{b}:*"
     assert MODEL_B in out and MODEL_A not in out
@@ -186,8 +186,8 @@ def test_stats_of_one_namespace_shows_only_it(stores, capsys):
 
 def test_stats_json_gives_each_row_its_namespace_and_records(stores, capsys):
     namespace = serve_like_vllm(MODEL_A)
-    code, out, _ = cli(capsys, "stats", "--json")
-    assert code == 0
+    code, out, err = cli(capsys, "stats", "--json")
+    assert code == 0, err
     disk, redis_row = json.loads(out)
     assert (disk["namespace"], redis_row["namespace"]) == (None, namespace)
     [record] = redis_row["records"]
@@ -217,8 +217,8 @@ def test_stats_with_redis_down_reports_it_and_still_counts_the_disk(redis_down, 
 def test_inspect_disk_checks_each_chunk_against_the_layout_its_namespace_recorded(stores, capsys):
     serve_like_vllm(MODEL_A, chains=2, kv_heads=1)
     serve_like_vllm(MODEL_B, chains=1, kv_heads=2)  # another layout in the same store
-    code, out, _ = cli(capsys, "inspect", "--tier", "disk")
-    assert code == 0
+    code, out, err = cli(capsys, "inspect", "--tier", "disk")
+    assert code == 0, err
     chunks = [line.split() for line in out.splitlines()[2:]]
     assert len(chunks) == 6 and all(chunk[-1] == "ok" for chunk in chunks)
     assert {chunk[1] for chunk in chunks} == {"4"}
@@ -227,8 +227,8 @@ def test_inspect_disk_checks_each_chunk_against_the_layout_its_namespace_recorde
 def test_inspect_redis_lists_the_chunks_of_each_namespace(stores, capsys):
     a = serve_like_vllm(MODEL_A, chains=2)
     b = serve_like_vllm(MODEL_B, chains=1, kv_heads=2)
-    code, out, _ = cli(capsys, "inspect", "--tier", "redis")
-    assert code == 0
+    code, out, err = cli(capsys, "inspect", "--tier", "redis")
+    assert code == 0, err
     assert f"keys {stores}:{a}:*): 4 chunks" in out
     assert f"keys {stores}:{b}:*): 2 chunks" in out
     checks = [line.split()[-1] for line in out.splitlines() if len(line.split()[0]) == 32]
@@ -262,8 +262,8 @@ def test_inspect_disk_with_a_namespace_is_an_error_saying_why(redis_down, capsys
 
 def test_clear_with_the_vllm_config_deletes_what_a_vllm_server_stored(stores, capsys):
     namespace = serve_like_vllm(MODEL_A, chains=2)
-    code, out, _ = cli(capsys, "clear", "--yes")
-    assert code == 0
+    code, out, err = cli(capsys, "clear", "--yes")
+    assert code == 0, err
     assert "disk: deleted 4 values" in out
     assert f"redis: deleted 4 values of namespace {namespace}" in out
     code, out, _ = cli(capsys, "stats")
@@ -274,8 +274,8 @@ def test_clear_with_the_vllm_config_deletes_what_a_vllm_server_stored(stores, ca
 def test_clear_of_one_namespace_keeps_the_other_namespaces_and_the_disk(stores, capsys):
     a = serve_like_vllm(MODEL_A, chains=2)
     b = serve_like_vllm(MODEL_B, chains=1)
-    code, out, _ = cli(capsys, "clear", "--namespace", b, "--yes")
-    assert code == 0
+    code, out, err = cli(capsys, "clear", "--namespace", b, "--yes")
+    assert code == 0, err
     assert f"redis: deleted 2 values of namespace {b}" in out and "disk: kept" in out
     code, out, _ = cli(capsys, "stats")
     by_namespace = {row[-1]: row[1] for row in rows(out, "redis")}
