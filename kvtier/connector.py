@@ -512,8 +512,7 @@ class ConnectorCache:
                 # Evicted since the index saw them (its reports lag the pool by a step):
                 # the rest of the hit is read from the spill tiers, as far as they hold it.
                 held = len(host_slots)
-                below = self.spill.lookup(keys[held:], hit.start + held) if self.spill else []
-                runs = tuple(below)
+                runs = tuple(self.spill.lookup(keys[held:], hit.start + held)) if self.spill else ()
             self._make_room(sum(run.num_blocks for run in runs))
             staging, runs = self.below.stage(runs)
             n = len(host_slots) + len(staging)
