@@ -487,10 +487,11 @@ class KVTierConnector(KVConnectorBase_V1):
         report = self._guarded("build_connector_worker_meta", self._cache.take_report)
         return KVTierWorkerMeta({self._cache.shard: report}) if report else None
 
+    @timed
     def get_kv_connector_stats(self) -> KVTierStats | None:
         """What kvtier's counters in this process gained since the last step: the
         worker's tiers, load errors and pinned host slots (a level: its change), and
-        each half's caught faults and hook costs."""
+        each half's caught faults and hook costs (this hook's as of its last call)."""
         now = {FAULTS: sum(self.faults.values()), **hook_counters(self.hook_calls, self.hook_ns)}
         if self._cache is not None:
             now[LOAD_ERRORS] = self.num_load_errors

@@ -49,6 +49,8 @@ PINNED = "host_pinned_blocks"  # host slots held by copies in flight: a gauge
 TIERS = ("cpu", "disk", "redis")
 # The hooks that are timed, by the side of vLLM that calls them (vLLM's per-layer
 # hooks are not: kvtier does nothing in them, and a timer would cost more than they do).
+# ``STATS_HOOK`` runs on both sides, every step; a call's own time is reported by the
+# next one.
 SCHEDULER_HOOKS = (
     "on_new_request",
     "get_num_new_matched_tokens",
@@ -63,7 +65,8 @@ WORKER_HOOKS = (
     "get_finished",
     "build_connector_worker_meta",
 )
-HOOKS = SCHEDULER_HOOKS + WORKER_HOOKS
+STATS_HOOK = "get_kv_connector_stats"
+HOOKS = (*SCHEDULER_HOOKS, *WORKER_HOOKS, STATS_HOOK)
 EXTRA: dict[str, str] = {
     LOAD_ERRORS: "Blocks kvtier reported to vLLM as not loaded (vLLM recomputed them).",
     FAULTS: "Exceptions inside kvtier that its connector hooks caught (each a miss or a "

@@ -37,7 +37,12 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from kvtier.connector import ConnectorCache, ConnectorIndex  # noqa: E402
 from kvtier.integrations import vllm as kvtier_vllm  # noqa: E402
 from kvtier.integrations.vllm import KVTierConnector  # noqa: E402
-from kvtier.integrations.vllm_metrics import PINNED, SCHEDULER_HOOKS, WORKER_HOOKS  # noqa: E402
+from kvtier.integrations.vllm_metrics import (  # noqa: E402
+    PINNED,
+    SCHEDULER_HOOKS,
+    STATS_HOOK,
+    WORKER_HOOKS,
+)
 from kvtier.tiers.lmdb import LMDBTier  # noqa: E402
 from kvtier.transfer import TransferEngine  # noqa: E402
 
@@ -546,6 +551,17 @@ def test_each_hook_reports_its_calls_and_the_time_spent_in_it(tiny_model, engine
         called = {hook: stats.get(f"hook.{hook}.calls", 0) for hook in hooks}
         assert called == dict.fromkeys(hooks, 1)
         assert sum(stats.get(f"hook.{hook}.us", 0) for hook in hooks) > 0
+
+
+def test_the_stats_hook_reports_its_own_calls_from_the_next_one(tiny_model, engines):
+    engine = engines(tiny_model, _host_only())
+    engine.serve(_request("a", _hashes(1, 4)), [0, 1, 2, 3, 4])
+
+    for connector in (engine.scheduler, engine.workers[0]):
+        first = connector.get_kv_connector_stats().data
+        second = connector.get_kv_connector_stats().data
+        assert f"hook.{STATS_HOOK}.calls" not in first
+        assert second[f"hook.{STATS_HOOK}.calls"] == 1
 
 
 def test_host_slots_a_load_holds_are_reported_pinned_until_it_is_over(
