@@ -9,6 +9,9 @@ and with ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``, the setting the README gives for vL
 build on a small machine (``--vllm-default-cores`` leaves it unset):
 
 - ``alone``: no connector.
+- ``alone again``: the same, on ``random`` only, started apart from ``alone`` in each
+  repeat: how far two servers of the same build differ within one run, the noise
+  floor of every ratio to vLLM alone (not in ``--quick``).
 - ``noop``: a connector whose every hook does nothing (``_noop_connector.py``): what
   having any connector configured costs vLLM, apart from kvtier's work.
 - ``kvtier``: ``configs/vllm.yaml`` as shipped (host pool, disk, Redis), its disk and
@@ -61,7 +64,8 @@ so they should be equal).
 The hook table gives what each of kvtier's connector hooks costs per engine step, read
 from the counters the connector reports to vLLM's ``/metrics``
 (``vllm:kvtier_hook_calls_total`` / ``vllm:kvtier_hook_seconds_total``; the scheduler's
-hooks run in vLLM's engine-core process, the workers' in each worker's). Beside it, each
+hooks run in vLLM's engine-core process, the workers' in each worker's,
+``get_kv_connector_stats`` in both). Beside it, each
 kvtier server's blocks that vLLM recomputed because kvtier reported them not loaded
 (``vllm:kvtier_load_error_blocks_total``): a failed load costs its request a recompute,
 which a mean TTFT alone does not tell apart from a slow read.
@@ -88,7 +92,7 @@ from _ttft import bench_redis_url, delete_prefix
 
 from kvtier.demo import DEMO_MODEL
 from kvtier.integrations.vllm_engine import save_model
-from kvtier.integrations.vllm_metrics import SCHEDULER_HOOKS, WORKER_HOOKS
+from kvtier.integrations.vllm_metrics import HOOKS, SCHEDULER_HOOKS, STATS_HOOK, WORKER_HOOKS
 from kvtier.integrations.vllm_server import SMALL_MACHINE_CORES, VLLMServer, kv_transfer_config
 from kvtier.progress import progress
 from kvtier.tracegen import WorkloadShape, generate, write_trace
@@ -176,6 +180,7 @@ class ServerSpec:
 
 SERVERS = {
     "alone": ServerSpec(),
+    "alone again": ServerSpec(),
     "noop": ServerSpec("noop"),
     "kvtier": ServerSpec("kvtier"),
     "kvtier disk": ServerSpec("kvtier", small_host=True),
@@ -236,6 +241,10 @@ TARGETS = [
     ),  # fmt: skip
 ]
 
+# Figures held against each other per repeat with no target: two servers of vLLM alone.
+FLOOR = [("random", "alone again", metric, "alone")
+         for metric in ("median_itl_ms", "output_throughput")]  # fmt: skip
+
 
 @dataclass
 class Run:
@@ -251,6 +260,7 @@ def workloads(quick: bool, work: Path) -> list[Workload]:
     """The workloads, smaller with ``quick``."""
     n = 1 if quick else 2
     kvtier = ("alone", "noop", "kvtier")
+    unshared_servers = kvtier if quick else (*kvtier, "alone again")
     spill_servers = ("alone", "noop", "kvtier", "kvtier disk")  # --quick: spill to disk only
     if not quick:
         spill_servers += ("kvtier redis", "kvtier disk, no staging", "kvtier redis, no staging")
@@ -280,7 +290,9 @@ def workloads(quick: bool, work: Path) -> list[Workload]:
     ]  # fmt: skip
     return [
         Workload(
-            "random", f"{unshared} --num-prompts {12 * n} --max-concurrency 2".split(), kvtier
+            "random",
+            f"{unshared} --num-prompts {12 * n} --max-concurrency 2".split(),
+            unshared_servers,
         ),
         Workload("shared", [*prefixes(8, 6 * n, 32), "--max-concurrency", "2"], kvtier),
         Workload("chat", f"{trace} --num-prompts {24 * n} --max-concurrency 2".split(), kvtier),
@@ -524,20 +536,22 @@ def details(plan: list[Workload], names: list[str], runs: dict) -> dict[str, Any
 
 
 def paired_ratios(runs: dict) -> dict[str, list[float]]:
-    """Each target's ratio in each repeat: the server's figure over the figure of the
-    server it is held against, started in the same repeat."""
+    """Each target's (and ``FLOOR``'s) ratio in each repeat: the server's figure over the
+    figure of the server it is held against, started in the same repeat."""
     out: dict[str, list[float]] = {}
-    for t in TARGETS:
-        mine, theirs = runs.get((t.workload, t.server)), runs.get((t.workload, t.against))
+    cases = [(t.workload, t.server, t.metric, t.against) for t in TARGETS] + FLOOR
+    for workload, server, metric, against in cases:
+        mine, theirs = runs.get((workload, server)), runs.get((workload, against))
         if mine and theirs:
-            case = f"{t.workload}: {t.server} {t.metric} vs {t.against}"
-            out[case] = [a.metrics[t.metric] / b.metrics[t.metric] for a, b in zip(mine, theirs)]
+            case = f"{workload}: {server} {metric} vs {against}"
+            out[case] = [a.metrics[metric] / b.metrics[metric] for a, b in zip(mine, theirs)]
     return out
 
 
 def per_step(runs: list[Run]) -> dict[str, float]:
     """Each hook's µs per engine step (a step: one ``build_connector_meta`` call),
-    summed over the runs, and each side's total."""
+    summed over the runs, each side's total, and the total of every hook (``STATS_HOOK``
+    runs on both sides: it is in neither side's total)."""
     calls: dict[str, float] = defaultdict(float)
     seconds: dict[str, float] = defaultdict(float)
     for run in runs:
@@ -545,9 +559,10 @@ def per_step(runs: list[Run]) -> dict[str, float]:
             calls[hook] += n
             seconds[hook] += s
     steps = calls.get("build_connector_meta") or 1.0
-    out = {hook: seconds[hook] / steps * 1e6 for hook in (*SCHEDULER_HOOKS, *WORKER_HOOKS)}
+    out = {hook: seconds[hook] / steps * 1e6 for hook in HOOKS}
     out["scheduler total"] = sum(out[h] for h in SCHEDULER_HOOKS)
     out["worker total"] = sum(out[h] for h in WORKER_HOOKS)
+    out["total"] = sum(out[h] for h in HOOKS)
     out["steps"] = steps
     return out
 
@@ -561,20 +576,24 @@ def print_details(details: dict[str, Any]) -> None:
     print("\nblocks vLLM recomputed after a kvtier load error, over the repeats:")
     for case, blocks in details["load_error_blocks"].items():
         print(f"  {case}: {blocks:.0f}")
-    print("\neach target's ratio per repeat (to the reference of the same repeat):")
+    print("\neach target's ratio per repeat, to the reference of the same repeat")
+    print("(alone again vs alone: two servers of vLLM alone, the noise floor):")
     for case, ratios in details["target_ratio_per_repeat"].items():
         print(f"  {case}: " + " ".join(f"{r:.3f}" for r in ratios))
     hooks = details["hook_us_per_step"]
     if not hooks:
         return
-    print("\nkvtier connector hooks, µs per engine step (side: S scheduler, W worker):")
+    print("\nkvtier connector hooks, µs per engine step (side: S scheduler, W worker, SW both):")
     columns = list(hooks)
-    names = [*SCHEDULER_HOOKS, "scheduler total", *WORKER_HOOKS, "worker total", "steps"]
+    names = [*SCHEDULER_HOOKS, "scheduler total", *WORKER_HOOKS, "worker total", STATS_HOOK,
+             "total", "steps"]  # fmt: skip
+    sides = {**dict.fromkeys(SCHEDULER_HOOKS, "S "), **dict.fromkeys(WORKER_HOOKS, "W "),
+             STATS_HOOK: "SW"}  # fmt: skip
     width = max(map(len, names)) + 4
     cols = [max(10, len(c)) + 2 for c in columns]
     print(" " * width + "".join(f"{c:>{w}}" for c, w in zip(columns, cols)))
     for name in names:
-        side = "S " if name in SCHEDULER_HOOKS else "W " if name in WORKER_HOOKS else "  "
+        side = sides.get(name, "  ")
         cells = "".join(f"{hooks[c][name]:>{w}.1f}" for c, w in zip(columns, cols))
         print(f"{side}{name:<{width - 2}}{cells}")
 
