@@ -610,6 +610,12 @@ class ConnectorCache:
         return bool(self._stages)
 
     @property
+    def loading(self) -> bool:
+        """Whether a load or a stage is under way: ``finished_loads`` has none to settle
+        when not (loads and stages come and go only in the caller's calls)."""
+        return bool(self._loads or self._stages)
+
+    @property
     def pinned_slots(self) -> int:
         """Host slots that loads, stages and saves in flight hold (none at rest)."""
         return self.host.num_blocks - self.host.num_free
@@ -711,6 +717,16 @@ class ConnectorCache:
         if self.spill:
             snapshot.tiers.update(self.spill.counters())
         return snapshot
+
+    def counts(self) -> dict[str, tuple[int, ...]]:
+        """``counters`` without the latency histograms (``TierStats.counts``): cheap
+        enough for every engine step."""
+        with self._lock:
+            self._poll_saves()
+            out = {name: s.counts() for name, s in self._stats.tiers.items()}
+        if self.spill:
+            out.update(self.spill.counts())
+        return out
 
     def stats(self) -> CacheStats:
         """``counters``, with what each spill tier holds (asked of the store)."""

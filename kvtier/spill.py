@@ -589,10 +589,19 @@ class SpillManager:
     def counters(self) -> dict[str, TierStats]:
         """A snapshot of each spill tier's counters (asks no store anything)."""
         with self._lock:
-            out = {t.name: self._stats[t.name].snapshot() for t in self.tiers}
+            self._take_evictions()
+            return {t.name: self._stats[t.name].snapshot() for t in self.tiers}
+
+    def counts(self) -> dict[str, tuple[int, ...]]:
+        """Each spill tier's counters alone (``TierStats.counts``), for every engine step."""
+        with self._lock:
+            self._take_evictions()
+            return {t.name: self._stats[t.name].counts() for t in self.tiers}
+
+    def _take_evictions(self) -> None:
+        """Copy the evictions each tier counts itself into its stats (under the lock)."""
         for tier in self.tiers:
-            out[tier.name].evictions = tier.evictions
-        return out
+            self._stats[tier.name].evictions = tier.evictions
 
     def stats(self) -> dict[str, TierStats]:
         """``counters``, and what each tier holds (asked of the store outside the lock;

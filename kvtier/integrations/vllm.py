@@ -108,10 +108,9 @@ from kvtier.integrations.vllm_metrics import (
     HOOKS,
     LOAD_ERRORS,
     PINNED,
+    Increments,
     KVTierPromMetrics,
     KVTierStats,
-    counters,
-    gained,
     hook_counters,
     stage_counters,
 )
@@ -141,6 +140,12 @@ STAGE_PATIENCE = 2.0
 # round trip, on the scheduler's critical path. A stale answer costs at most a miss or a
 # load error (recomputed), as an index not yet updated does.
 LOOKUP_REUSE = 0.1
+
+# Seconds between two hand-overs of the hooks' counters to vLLM's stats. They move in
+# every step, and each hand-over is shipped to the engine core and on to the API server
+# and summed in both: a hook's cost reaches ``/metrics`` up to this late (the last
+# second's before the engine goes idle, with its next step).
+HOOK_REPORT_PERIOD = 1.0
 
 # Where vLLM's hit sources name kvtier's tiers; Redis is a remote store.
 HIT_SOURCES: dict[str, CacheHitSource] = {
@@ -348,7 +353,8 @@ class KVTierConnector(KVConnectorBase_V1):
         self.hook_calls: Counter[str] = Counter()  # calls of each timed hook
         self.hook_ns: Counter[str] = Counter()  # nanoseconds spent in each timed hook
         self.trace = Trace(self.config.metrics.trace_path)
-        self._reported: dict[str, int] = {}  # counters as last handed to vLLM's stats
+        self._increments = Increments()  # of the counters handed to vLLM's stats
+        self._hooks_handed = -math.inf  # when the hooks' counters were last handed to it
         # Scheduler side.
         self.index: ConnectorIndex | None = None
         self._requests: dict[str, _RequestState] = {}
@@ -490,15 +496,21 @@ class KVTierConnector(KVConnectorBase_V1):
     @timed
     def get_kv_connector_stats(self) -> KVTierStats | None:
         """What kvtier's counters in this process gained since the last step: the
-        worker's tiers, load errors and pinned host slots (a level: its change), and
-        each half's caught faults and hook costs (this hook's as of its last call)."""
-        now = {FAULTS: sum(self.faults.values()), **hook_counters(self.hook_calls, self.hook_ns)}
+        worker's tiers, load errors and pinned host slots (a level: its change), each
+        half's caught faults, and every ``HOOK_REPORT_PERIOD`` the hooks' costs (this
+        hook's as of its last call)."""
+        flat = {FAULTS: sum(self.faults.values())}
+        now = time.monotonic()
+        if now - self._hooks_handed >= HOOK_REPORT_PERIOD:
+            self._hooks_handed = now
+            flat.update(hook_counters(self.hook_calls, self.hook_ns))
+        tiers: dict[str, tuple[int, ...]] = {}
         if self._cache is not None:
-            now[LOAD_ERRORS] = self.num_load_errors
-            now[PINNED] = self._cache.pinned_slots
-            now.update(counters(self._cache.counters()))
-            now.update(stage_counters(self._cache.stage_counts))
-        step, self._reported = gained(now, self._reported), now
+            flat[LOAD_ERRORS] = self.num_load_errors
+            flat[PINNED] = self._cache.pinned_slots
+            flat.update(stage_counters(self._cache.stage_counts))
+            tiers = self._cache.counts()
+        step = self._increments.take(flat, tiers)
         return KVTierStats(step) if step else None
 
     @classmethod
@@ -569,7 +581,7 @@ class KVTierConnector(KVConnectorBase_V1):
         Should settling itself fail, every async load is waited for and reported failed
         (the engine recomputes it; no request waits forever, and no copy still running
         writes into blocks the engine recomputes)."""
-        if self._cache is None:
+        if self._cache is None or not (self._async_loads or self._cache.loading):
             return
         finished = self._guarded("get_finished", self._cache.finished_loads)
         if finished is None:
@@ -732,7 +744,9 @@ class KVTierConnector(KVConnectorBase_V1):
         invalid = connector_output.invalid_block_ids
         done = connector_output.finished_recving or ()
         for state in self._requests.values():
-            if state.loading and (state.loading & invalid):
+            if not state.loading:
+                continue
+            if state.loading & invalid:
                 state.failed = True
             if state.request.request_id in done or not state.asynchronous:
                 state.loading = set()

@@ -19,11 +19,14 @@ being loaded, staged or saved; more at rest is a leak).
 Hook costs. Every connector hook that does work counts its calls and the time spent
 in it (``vllm:kvtier_hook_calls_total`` / ``vllm:kvtier_hook_seconds_total``, labelled
 by hook): what the connector costs the engine's step, per hook, scheduler and worker
-side alike (``benchmarks/bench_vllm_serve.py`` prints it per step).
+side alike (``benchmarks/bench_vllm_serve.py`` prints it per step). They move in every
+step, so they are handed over at most once a second (``HOOK_REPORT_PERIOD``); a step
+in which no other counter moved hands vLLM no stats at all.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -37,7 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from kvtier.connector import StageCounts
-from kvtier.metrics import CacheStats
+from kvtier.metrics import COUNTS
 from kvtier.prometheus import COUNTERS
 
 if TYPE_CHECKING:
@@ -95,16 +98,33 @@ def hook_counters(calls: Mapping[str, int], ns: Mapping[str, int]) -> dict[str, 
     return out
 
 
-def counters(stats: CacheStats) -> dict[str, int]:
-    """The flat counters (``"<tier>.<counter>"``) of a stats snapshot."""
-    return {
-        f"{tier}.{name}": getattr(s, name) for tier, s in stats.tiers.items() for name in COUNTERS
-    }
+class Increments:
+    """What a process's counters gained since the last ``take``: the payload of one
+    step's ``KVTierStats``. Cheap enough for every engine step: each tier's counters are
+    compared as one tuple, and only those that moved are named."""
+
+    def __init__(self) -> None:
+        self._flat: dict[str, int] = {}
+        self._tiers: dict[str, tuple[int, ...]] = {}
+
+    def take(self, flat: Mapping[str, int], tiers: Mapping[str, tuple[int, ...]]) -> dict[str, int]:
+        """The gains of counters ``flat`` (by name; one left out keeps its last value)
+        and of each tier's ``tiers`` (``TierStats.counts``, named ``"<tier>.<counter>"``)."""
+        last = self._flat
+        step = {k: v - last.get(k, 0) for k, v in flat.items() if v != last.get(k, 0)}
+        last.update(flat)
+        for tier, now in tiers.items():
+            before = self._tiers.get(tier) or (0,) * len(now)
+            if now != before:
+                keys = _tier_keys(tier)
+                step.update({k: a - b for k, a, b in zip(keys, now, before) if a != b})
+                self._tiers[tier] = now
+        return step
 
 
-def gained(now: Mapping[str, int], before: Mapping[str, int]) -> dict[str, int]:
-    """What each counter gained since ``before`` (the ones that did)."""
-    return {k: v - before.get(k, 0) for k, v in now.items() if v != before.get(k, 0)}
+@functools.cache
+def _tier_keys(tier: str) -> tuple[str, ...]:
+    return tuple(f"{tier}.{name}" for name in COUNTS)
 
 
 @dataclass

@@ -553,7 +553,8 @@ def test_each_hook_reports_its_calls_and_the_time_spent_in_it(tiny_model, engine
         assert sum(stats.get(f"hook.{hook}.us", 0) for hook in hooks) > 0
 
 
-def test_the_stats_hook_reports_its_own_calls_from_the_next_one(tiny_model, engines):
+def test_the_stats_hook_reports_its_own_calls_from_the_next_one(tiny_model, engines, monkeypatch):
+    monkeypatch.setattr(kvtier_vllm, "HOOK_REPORT_PERIOD", 0.0)
     engine = engines(tiny_model, _host_only())
     engine.serve(_request("a", _hashes(1, 4)), [0, 1, 2, 3, 4])
 
@@ -562,6 +563,35 @@ def test_the_stats_hook_reports_its_own_calls_from_the_next_one(tiny_model, engi
         second = connector.get_kv_connector_stats().data
         assert f"hook.{STATS_HOOK}.calls" not in first
         assert second[f"hook.{STATS_HOOK}.calls"] == 1
+
+
+def test_each_tiers_counters_are_handed_to_vllm_as_their_gain_since_the_last_step(
+    tiny_model, engines
+):
+    engine = engines(tiny_model, _host_only())
+    worker = engine.workers[0]
+    engine.serve(_request("a", _hashes(1, 4)), [0, 1, 2, 3, 4])
+    assert worker.get_kv_connector_stats().data["cpu.blocks_in"] == 4
+
+    engine.serve(_request("b", _hashes(2, 2)), [5, 6, 7])
+    step = worker.get_kv_connector_stats().data
+
+    assert step["cpu.blocks_in"] == 2
+    assert "cpu.blocks_out" not in step  # no counter that did not move
+
+
+def test_hook_costs_are_handed_to_vllm_at_most_once_a_period(tiny_model, engines, monkeypatch):
+    monkeypatch.setattr(kvtier_vllm, "HOOK_REPORT_PERIOD", 3600.0)
+    engine = engines(tiny_model, _host_only())
+    worker = engine.workers[0]
+    engine.serve(_request("a", _hashes(1, 4)), [0, 1, 2, 3, 4])
+    assert worker.get_kv_connector_stats().data["hook.wait_for_save.calls"] == 1
+
+    engine.step({})  # hooks run, no other counter moves
+
+    assert worker.get_kv_connector_stats() is None
+    monkeypatch.setattr(kvtier_vllm, "HOOK_REPORT_PERIOD", 0.0)  # the period is over
+    assert worker.get_kv_connector_stats().data["hook.wait_for_save.calls"] == 1
 
 
 def test_host_slots_a_load_holds_are_reported_pinned_until_it_is_over(
