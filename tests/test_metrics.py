@@ -13,7 +13,8 @@ import pytest
 from kvtier.cache import TieredCache
 from kvtier.chunk import ChunkCodec
 from kvtier.config import load_config
-from kvtier.metrics import LATENCY_BOUNDS, Histogram
+from kvtier.metrics import COUNTS, LATENCY_BOUNDS, Histogram, TierStats
+from kvtier.prometheus import COUNTERS
 from kvtier.synthetic import serve
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
@@ -177,3 +178,11 @@ def test_evictions_of_the_gpu_and_host_pools_are_counted(cache):
     s = cache.stats()
     assert s["gpu"].evictions == cache.gpu.stats().evictions > 0
     assert s["cpu"].evictions == cache.host.stats().evictions > 0
+
+
+def test_a_tiers_counts_are_its_counters_and_prometheus_exports_each_of_them():
+    stats = TierStats(hits=3, blocks_in=5, short_loads=1)
+    stats.read_latency.observe(0.01)
+
+    assert dict(zip(COUNTS, stats.counts())) == {name: getattr(stats, name) for name in COUNTERS}
+    assert tuple(COUNTERS) == COUNTS

@@ -143,8 +143,8 @@ LOOKUP_REUSE = 0.1
 
 # Seconds between two hand-overs of the hooks' counters to vLLM's stats. They move in
 # every step, and each hand-over is shipped to the engine core and on to the API server
-# and summed in both: a hook's cost reaches ``/metrics`` up to this late (the last
-# second's before the engine goes idle, with its next step).
+# and summed in both: a hook's cost reaches ``/metrics`` up to this late (what the
+# hooks cost in the last second before the engine goes idle, with its next step).
 HOOK_REPORT_PERIOD = 1.0
 
 # Where vLLM's hit sources name kvtier's tiers; Redis is a remote store.
