@@ -65,8 +65,9 @@ The hook table gives what each of kvtier's connector hooks costs per engine step
 from the counters the connector reports to vLLM's ``/metrics``
 (``vllm:kvtier_hook_calls_total`` / ``vllm:kvtier_hook_seconds_total``; the scheduler's
 hooks run in vLLM's engine-core process, the workers' in each worker's,
-``get_kv_connector_stats`` in both). Beside it, each
-kvtier server's blocks that vLLM recomputed because kvtier reported them not loaded
+``get_kv_connector_stats`` in both; the counters arrive once a second, so a run's
+figures may take in up to a second of steps before or after it). Beside it, each kvtier
+server's blocks that vLLM recomputed because kvtier reported them not loaded
 (``vllm:kvtier_load_error_blocks_total``): a failed load costs its request a recompute,
 which a mean TTFT alone does not tell apart from a slow read.
 """
@@ -587,15 +588,14 @@ def print_details(details: dict[str, Any]) -> None:
     columns = list(hooks)
     names = [*SCHEDULER_HOOKS, "scheduler total", *WORKER_HOOKS, "worker total", STATS_HOOK,
              "total", "steps"]  # fmt: skip
-    sides = {**dict.fromkeys(SCHEDULER_HOOKS, "S "), **dict.fromkeys(WORKER_HOOKS, "W "),
+    sides = {**dict.fromkeys(SCHEDULER_HOOKS, "S"), **dict.fromkeys(WORKER_HOOKS, "W"),
              STATS_HOOK: "SW"}  # fmt: skip
-    width = max(map(len, names)) + 4
+    width = max(map(len, names)) + 5
     cols = [max(10, len(c)) + 2 for c in columns]
     print(" " * width + "".join(f"{c:>{w}}" for c, w in zip(columns, cols)))
     for name in names:
-        side = sides.get(name, "  ")
         cells = "".join(f"{hooks[c][name]:>{w}.1f}" for c, w in zip(columns, cols))
-        print(f"{side}{name:<{width - 2}}{cells}")
+        print(f"{sides.get(name, ''):<3}{name:<{width - 3}}{cells}")
 
 
 def main() -> int:
