@@ -24,7 +24,7 @@ import os
 import random
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -157,29 +157,42 @@ def test_after_a_restart_the_prefix_is_a_disk_hit(restarted, reference):
     assert tokens == reference[2]
 
 
-def _hang_up(server: VLLMServer, prompt: list[int], after: float) -> None:
-    """Send ``prompt`` as a streamed completion and close the connection ``after``
-    seconds later, as a client that gives up does (vLLM aborts the request)."""
+def _send(server: VLLMServer, prompt: list[int], max_tokens: int) -> http.client.HTTPConnection:
+    """A streamed completion of ``prompt``, sent; closing the connection before the
+    reply ends is a client giving up (vLLM aborts the request)."""
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-    body = {"model": server.model, "prompt": prompt, "max_tokens": 16, "stream": True}
+    body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    return conn
+
+
+def _running(server: VLLMServer, prompt: list[int], max_tokens: int) -> http.client.HTTPConnection:
+    """``_send``, once vLLM has computed the first token: the request holds its blocks
+    of vLLM's pool until it ends."""
+    conn = _send(server, prompt, max_tokens)
+    response = conn.getresponse()
+    while not response.readline().startswith(b"data:"):
+        pass
+    return conn
+
+
+def _hang_up(conn: http.client.HTTPConnection, after: float) -> None:
     time.sleep(after)
     conn.close()
 
 
-def _wait_idle(server: VLLMServer, timeout: float = 120) -> None:
+def _busy(server: VLLMServer) -> float:
+    """Requests vLLM runs or keeps waiting."""
+    running = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+    return sum(v for k, v in server.metrics().items() if k.startswith(running))
+
+
+def _wait_for(condition: Callable[[], bool], what: str, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        samples = server.metrics()
-        busy = sum(
-            v
-            for k, v in samples.items()
-            if k.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting"))
-        )
-        if not busy:
-            return
-        time.sleep(0.5)
-    raise TimeoutError(f"vLLM still has requests after {timeout} s")
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout} s for {what}")
+        time.sleep(0.05)
 
 
 def _metric(server: VLLMServer, name: str) -> float:
@@ -190,16 +203,23 @@ def _metric(server: VLLMServer, name: str) -> float:
 def test_clients_hanging_up_while_their_prefixes_stage_leave_no_host_slot_pinned(
     restarted, reference
 ):
-    """Sixteen requests on the prefixes the disk holds arrive at once (vLLM's pool holds
-    two of them: the rest wait, and their disk hits are staged), and every client gives
-    up within 0.3 s, while its prefix is staged, loaded or its reply computed."""
+    """Two long requests fill vLLM's pool (40 blocks, 19 each), so sixteen requests on
+    the prefixes the disk holds wait, and their disk hits are staged. Once a stage has
+    been read, every client gives up within 0.3 s, the long ones too (the requests
+    still there are scheduled meanwhile): while its prefix is staged, loaded or its
+    reply computed."""
     draw = random.Random(5)
+    staged = "vllm:kvtier_staged_blocks_total"
+    before = _metric(restarted, staged)
+    long = [_running(restarted, _tokens(2080, seed=300 + i), max_tokens=256) for i in range(2)]
     prompts = [(PREFIX, *FILLERS)[i % 4] + _tokens(32, seed=100 + i) for i in range(16)]
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        list(pool.map(lambda p: _hang_up(restarted, p, draw.uniform(0, 0.3)), prompts))
-    _wait_idle(restarted)
+    storm = [_send(restarted, p, max_tokens=16) for p in prompts]
+    _wait_for(lambda: _metric(restarted, staged) > before, what="a stage read")
+    clients = storm + long
+    with ThreadPoolExecutor(len(clients)) as pool:
+        list(pool.map(_hang_up, clients, [draw.uniform(0, 0.3) for _ in clients]))
+    _wait_for(lambda: not _busy(restarted), what="vLLM to finish its requests")
     restarted.complete(_tokens(8, seed=99), max_tokens=1)  # a step, to report the level
-    assert _metric(restarted, "vllm:kvtier_staged_blocks_total") > 0
     assert _metric(restarted, "vllm:kvtier_host_pinned_blocks") == 0
     assert restarted.complete(QUESTIONS[0]).tokens == reference[0]
 
