@@ -25,8 +25,10 @@ go many to a round trip.
 
 Protocol. Only what a GET (or GETEX) answers is accepted: a bulk string
 (``$<n>``), nil (``$-1``, or RESP3's ``_``) or an error (``-...``), which comes back
-as a ``ResponseError`` in that command's place, as redis-py's pipeline gives it.
-Anything else, a closed connection or a timeout (the connection's
+as a ``ResponseError`` in that command's place, as redis-py's pipeline gives it. A
+simple string (``+...``) is a value too: Redis never sends one for a value, but other
+RESP servers may (fakeredis's TCP server does for a value without CR or LF), and
+redis-py's own parsers take it. Anything else, a closed connection or a timeout (the connection's
 ``socket_timeout``) raises a redis-py error; the connection is then disconnected,
 since what is left of its replies is unknown.
 """
@@ -117,6 +119,11 @@ class _Replies:
                 with memoryview(self.buf)[self.pos : self.pos + size] as value:
                     sink(i, value)
                 self.pos += size + 2
+                out.append(True)
+            elif kind == b"+":  # a value without CR or LF, from a server not Redis
+                self.largest = max(self.largest, len(line) - 1)
+                with memoryview(line)[1:] as value:
+                    sink(i, value)
                 out.append(True)
             elif kind == b"$" or kind == b"_":
                 out.append(False)
