@@ -28,9 +28,9 @@ Protocol. Only what a GET (or GETEX) answers is accepted: a bulk string
 as a ``ResponseError`` in that command's place, as redis-py's pipeline gives it. A
 simple string (``+...``) is a value too: Redis never sends one for a value, but other
 RESP servers may (fakeredis's TCP server does for a value without CR or LF), and
-redis-py's own parsers take it. Anything else, a closed connection or a timeout (the connection's
-``socket_timeout``) raises a redis-py error; the connection is then disconnected,
-since what is left of its replies is unknown.
+redis-py's own parsers take it. Anything else, a closed connection or a timeout (the
+connection's ``socket_timeout``) raises a redis-py error; the connection is then
+disconnected, since what is left of its replies is unknown.
 """
 
 from __future__ import annotations
