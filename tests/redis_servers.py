@@ -7,7 +7,8 @@ turn the Redis tests into silent skips there).
 ``RedisServer`` runs one ``redis-server`` process on a free loopback port in a
 scratch directory (nothing persisted) and stops it by pid; it can be stopped and
 started again on the same port. ``LocalCluster`` runs three cluster-enabled servers
-and joins them with ``redis-cli --cluster create``. ``Backend`` builds ``RedisTier``s
+and joins them with ``redis-cli --cluster create``. ``fake_tcp_server`` serves
+fakeredis over TCP (a RESP server that is not Redis). ``Backend`` builds ``RedisTier``s
 on one of them (or fakeredis) and deletes their keys afterwards; the fixtures built
 on all this live in ``conftest.py``.
 """
@@ -20,6 +21,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -137,6 +139,19 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.02) -> 
         if time.monotonic() > deadline:
             raise RuntimeError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+@contextlib.contextmanager
+def fake_tcp_server() -> Iterator[str]:
+    """fakeredis served over TCP on a loopback port, for as long as the block runs: its
+    URL. A RESP server that is not Redis, read through real sockets."""
+    server = fakeredis.TcpFakeServer((LOCAL_HOST, free_port()), server_type="redis")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"redis://{LOCAL_HOST}:{server.server_address[1]}/0"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 class RedisServer:

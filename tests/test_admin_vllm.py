@@ -12,15 +12,13 @@ import hashlib
 import json
 import logging
 import socket
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
 import torch
-from fakeredis import TcpFakeServer
-from redis_servers import LOCAL_URL, delete_prefix, free_port, unique_prefix
+from redis_servers import LOCAL_URL, delete_prefix, fake_tcp_server, unique_prefix
 
 from kvtier import admin
 from kvtier.cli import main
@@ -49,13 +47,8 @@ def redis_url(request: pytest.FixtureRequest) -> Iterator[str]:
         request.getfixturevalue("real_client")  # skips when none answers
         yield LOCAL_URL
         return
-    port = free_port()
-    server = TcpFakeServer(("127.0.0.1", port), server_type="redis")
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"redis://127.0.0.1:{port}/0"
-    server.shutdown()
-    server.server_close()
+    with fake_tcp_server() as url:
+        yield url
 
 
 def use_vllm_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, url: str, prefix: str):

@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 import redis
 import redis.connection
-from fakeredis import TcpFakeServer
 from redis_servers import (
     LOCAL_HOST,
     LOCAL_URL,
@@ -26,6 +25,7 @@ from redis_servers import (
     LocalCluster,
     RedisServer,
     config_tier,
+    fake_tcp_server,
     free_port,
     make_backend,
     unique_prefix,
@@ -307,18 +307,14 @@ def test_values_larger_than_a_round_trip_are_read_in_groups_on_a_single_server(
 def test_a_value_a_server_sends_as_a_simple_string_is_read_as_it_is() -> None:
     """fakeredis's TCP server answers a GET of a value without CR or LF with a simple
     string (``+...``), where Redis sends a bulk string; read either way, it is the value."""
-    server = TcpFakeServer((LOCAL_HOST, free_port()), server_type="redis")
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    host, port = server.server_address
-    tier = config_tier(url=f"redis://{host}:{port}/0")(unique_prefix(), "ns", None, 1)
     plain, framed = bytes(range(14, 256)), b"a\r\nb" * 1000
-    try:
-        tier.put_many([(make_key("plain"), plain), (make_key("framed"), framed)])
-        present, got = read_all(tier, [make_key("plain"), make_key("framed")])
-    finally:
-        tier.close()
-        server.shutdown()
-        server.server_close()
+    with fake_tcp_server() as url:
+        tier = config_tier(url=url)(unique_prefix(), "ns", None, 1)
+        try:
+            tier.put_many([(make_key("plain"), plain), (make_key("framed"), framed)])
+            present, got = read_all(tier, [make_key("plain"), make_key("framed")])
+        finally:
+            tier.close()
     assert present == [True, True]
     assert got == {0: plain, 1: framed}
 

@@ -24,13 +24,13 @@ import os
 import random
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from conftest import VOCAB
-from redis_servers import delete_prefix, unique_prefix
+from redis_servers import delete_prefix, unique_prefix, wait_until
 
 from kvtier.events import Subscriber
 from kvtier.tiers.lmdb import LMDBTier
@@ -187,14 +187,6 @@ def _busy(server: VLLMServer) -> float:
     return sum(v for k, v in server.metrics().items() if k.startswith(running))
 
 
-def _wait_for(condition: Callable[[], bool], what: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"waited {timeout} s for {what}")
-        time.sleep(0.05)
-
-
 def _metric(server: VLLMServer, name: str) -> float:
     """The sum of ``name``'s samples (over engines and labels)."""
     return sum(v for k, v in server.metrics().items() if k.split("{")[0] == name)
@@ -214,11 +206,11 @@ def test_clients_hanging_up_while_their_prefixes_stage_leave_no_host_slot_pinned
     long = [_running(restarted, _tokens(2080, seed=300 + i), max_tokens=256) for i in range(2)]
     prompts = [(PREFIX, *FILLERS)[i % 4] + _tokens(32, seed=100 + i) for i in range(16)]
     storm = [_send(restarted, p, max_tokens=16) for p in prompts]
-    _wait_for(lambda: _metric(restarted, staged) > before, what="a stage read")
+    wait_until(lambda: _metric(restarted, staged) > before, 120, "a stage read", 0.05)
     clients = storm + long
     with ThreadPoolExecutor(len(clients)) as pool:
         list(pool.map(_hang_up, clients, [draw.uniform(0, 0.3) for _ in clients]))
-    _wait_for(lambda: not _busy(restarted), what="vLLM to finish its requests")
+    wait_until(lambda: not _busy(restarted), 120, "vLLM to finish its requests", 0.5)
     restarted.complete(_tokens(8, seed=99), max_tokens=1)  # a step, to report the level
     assert _metric(restarted, "vllm:kvtier_host_pinned_blocks") == 0
     assert restarted.complete(QUESTIONS[0]).tokens == reference[0]
