@@ -130,15 +130,36 @@ class EngineKV:
             copy_blocks(host[:, i], slots, layer, block_ids, non_blocking=True)
 
 
-def engine_layout(kv: EngineKV, block_size: int, num_kv_heads: int, head_dim: int) -> KVLayout:
-    """The ``KVLayout`` of the engine's blocks; ``ValueError`` when the tensors do not hold
-    ``block_size`` tokens of ``num_kv_heads`` x ``head_dim`` K and V (or MLA's one latent)."""
-    per_factor = block_size * num_kv_heads * head_dim
-    kv_factor, rest = divmod(kv.block_numel, per_factor)
-    if rest or kv_factor not in (1, 2):
+def engine_blocks(layer: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """``layer`` with one engine block per index of dim 0.
+
+    An attention kernel that takes smaller blocks than the engine's block manager sees
+    ``ratio = len(layer) / num_blocks`` kernel blocks per engine block on dim 0, engine
+    block ``b`` being kernel blocks ``b * ratio`` to ``b * ratio + ratio - 1``; they are
+    grouped here as ``[num_blocks, ratio, *kernel block]`` (same bytes, a view), so that
+    copies move whole engine blocks. ``ValueError`` when dim 0 is no multiple of
+    ``num_blocks``."""
+    ratio, rest = divmod(layer.shape[0], num_blocks)
+    if rest or not ratio:
+        raise ValueError(
+            f"a KV tensor of shape {list(layer.shape)} does not hold {num_blocks} blocks on "
+            f"dim 0, nor a whole number of kernel blocks per block"
+        )
+    return layer if ratio == 1 else layer.unflatten(0, (num_blocks, ratio))
+
+
+def engine_layout(
+    kv: EngineKV, block_size: int, num_kv_heads: int, head_dim: int, kv_factor: int
+) -> KVLayout:
+    """The ``KVLayout`` of the engine's blocks: ``kv_factor`` (2 for K and V, 1 for MLA's
+    one latent) x ``block_size`` tokens x ``num_kv_heads`` x ``head_dim`` per layer;
+    ``ValueError`` when the tensors' blocks do not hold exactly that many elements."""
+    expected = kv_factor * block_size * num_kv_heads * head_dim
+    if kv.block_numel != expected:
+        what = "K and V" if kv_factor == 2 else "one MLA latent"
         raise ValueError(
             f"a KV block of shape {list(kv.block_shape)} does not hold {block_size} tokens x "
-            f"{num_kv_heads} KV heads x {head_dim} for K and V (or one MLA latent)"
+            f"{num_kv_heads} KV heads x {head_dim} for {what}"
         )
     return KVLayout(len(kv.layers), kv_factor, block_size, num_kv_heads, head_dim, kv.dtype)
 

@@ -86,7 +86,7 @@ def serve_like_vllm(model: str, chains: int = 1, kv_heads: int = 1) -> str:
     (KV of ``kv_heads`` heads) does through configs/vllm.yaml; returns the namespace."""
     config = load_config(VLLM_CONFIG)
     kv = EngineKV([torch.randn(32, 2, 4, kv_heads, 2) for _ in range(2)])  # vLLM's per layer
-    layout = engine_layout(kv, block_size=4, num_kv_heads=kv_heads, head_dim=2)
+    layout = engine_layout(kv, block_size=4, num_kv_heads=kv_heads, head_dim=2, kv_factor=2)
     cache = ConnectorCache(config, kv, layout, model, SHARD)  # the worker first, as in vLLM
     index = ConnectorIndex(config, model)
     try:

@@ -121,7 +121,7 @@ def connector_worker(device: str, host_blocks: int, disk: Path | None = None) ->
     with a host pool of ``host_blocks`` and, with ``disk``, an LMDB tier of 4-block
     chunks; a waiting request's stage may take the whole pool."""
     kv = EngineKV([torch.randn(16, 2, 4, 2, 8).to(torch.bfloat16).to(device) for _ in range(2)])
-    layout = engine_layout(kv, block_size=4, num_kv_heads=2, head_dim=8)
+    layout = engine_layout(kv, block_size=4, num_kv_heads=2, head_dim=8, kv_factor=2)
     tiers: dict = {"cpu": {"capacity": host_blocks * layout.block_nbytes, "stage_share": 1.0}}
     if disk is not None:
         tiers["disk"] = {"path": str(disk / "lmdb"), "capacity": "64MiB", "chunk_blocks": 4}

@@ -432,7 +432,7 @@ def test_a_cache_whose_tiers_all_evict_by_lru_keeps_no_use_counts() -> None:
 
 def test_a_connector_worker_counts_the_blocks_it_saves_and_loads_as_uses() -> None:
     kv = EngineKV([torch.zeros(8, 2, 4, 1, 2) for _ in range(2)])  # 8 blocks, 2 layers
-    layout = engine_layout(kv, block_size=4, num_kv_heads=1, head_dim=2)
+    layout = engine_layout(kv, block_size=4, num_kv_heads=1, head_dim=2, kv_factor=2)
     config = parse_config({"tiers": {"cpu": {"capacity": 16 * layout.block_nbytes}}})
     cache = ConnectorCache(config, kv, layout, "model", "rank0")
     try:

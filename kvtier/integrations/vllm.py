@@ -97,12 +97,11 @@ from kvtier.connector import (
     ConnectorCache,
     ConnectorHit,
     ConnectorIndex,
-    EngineKV,
     ShardReport,
     ShardSpec,
-    engine_layout,
 )
 from kvtier.integrations.vllm_events import TierEvents, events_enabled, to_vllm
+from kvtier.integrations.vllm_layout import cached_spec, engine_kv
 from kvtier.integrations.vllm_metrics import (
     FAULTS,
     HOOKS,
@@ -345,6 +344,7 @@ class KVTierConnector(KVConnectorBase_V1):
                 f"KVTierConnector needs block hashes per KV block: hash_block_size "
                 f"{hash_block} != block_size {cache_config.block_size}"
             )
+        self._spec = cached_spec(kv_cache_config)  # refuses what kvtier cannot hold
         self.config = load_connector_config(self._kv_transfer_config.kv_connector_extra_config)
         self.block_size = cache_config.block_size
         model = self.config.model
@@ -394,12 +394,8 @@ class KVTierConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Adopt vLLM's per-layer KV tensors and open this rank's tiers below them."""
         names = sorted(kv_caches, key=extract_layer_index)
-        kv = EngineKV([kv_caches[name] for name in names])
-        model = self._vllm_config.model_config
+        kv, layout = engine_kv(kv_caches, names, self._spec, self._kv_cache_config.num_blocks)
         parallel = self._vllm_config.parallel_config
-        layout = engine_layout(
-            kv, self.block_size, model.get_num_kv_heads(parallel), model.get_head_size()
-        )
         shard = shard_name(parallel)
         self._guarded("register_kv_caches", self._warn_about_binding)
         self._cache = ConnectorCache(self.config, kv, layout, self._name, shard)

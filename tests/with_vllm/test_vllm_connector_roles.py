@@ -31,12 +31,19 @@ from vllm.config import (  # noqa: E402
 )
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 
 from kvtier.connector import ConnectorCache, ConnectorIndex  # noqa: E402
 from kvtier.integrations import vllm as kvtier_vllm  # noqa: E402
 from kvtier.integrations.vllm import KVTierConnector  # noqa: E402
+from kvtier.integrations.vllm_layout import UnsupportedKVCache  # noqa: E402
 from kvtier.integrations.vllm_metrics import (  # noqa: E402
     PINNED,
     SCHEDULER_HOOKS,
@@ -100,6 +107,17 @@ class SchedulerOutput:
         return sum(self.num_scheduled_tokens.values())
 
 
+LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+
+
+def _kv_cache_config(tp: int = 1) -> KVCacheConfig:
+    """vLLM's ``KVCacheConfig`` of the tiny model on one of ``tp`` ranks."""
+    spec = FullAttentionSpec(
+        block_size=BLOCK, num_kv_heads=KV_HEADS // tp, head_size=32, dtype=torch.bfloat16
+    )
+    return KVCacheConfig(NUM_BLOCKS, [], [KVCacheGroupSpec(LAYER_NAMES, spec)])
+
+
 class Engine:
     """A scheduler-side connector and ``tp`` worker-side ones, wired as vLLM wires them."""
 
@@ -107,20 +125,18 @@ class Engine:
         self.workers = []  # first, as vLLM registers the KV caches before the scheduler
         for rank in range(tp):
             worker = KVTierConnector(
-                _vllm_config(model, kvtier, tp, rank), KVConnectorRole.WORKER, None
+                _vllm_config(model, kvtier, tp, rank), KVConnectorRole.WORKER, _kv_cache_config(tp)
             )
             # vLLM's CPU view of a layer: [blocks, kv_heads, block_size, 2 * head_size]
             worker.register_kv_caches(
                 {
-                    f"model.layers.{i}.self_attn.attn": torch.randn(
-                        NUM_BLOCKS, KV_HEADS // tp, BLOCK, 64, dtype=torch.bfloat16
-                    )
-                    for i in range(LAYERS)
+                    name: torch.randn(NUM_BLOCKS, KV_HEADS // tp, BLOCK, 64, dtype=torch.bfloat16)
+                    for name in LAYER_NAMES
                 }
             )
             self.workers.append(worker)
         self.scheduler = KVTierConnector(
-            _vllm_config(model, kvtier, tp), KVConnectorRole.SCHEDULER, None
+            _vllm_config(model, kvtier, tp), KVConnectorRole.SCHEDULER, _kv_cache_config(tp)
         )
         self.scheduler.set_xfer_handshake_metadata_pp_aware(
             {(0, r): w.get_handshake_metadata() for r, w in enumerate(self.workers)}
@@ -528,15 +544,25 @@ def test_vllm_failing_requests_on_a_load_error_is_warned_about(
 ) -> None:
     with caplog.at_level("WARNING", logger="kvtier.integrations.vllm"):
         KVTierConnector(
-            _vllm_config(tiny_model, _host_only()), KVConnectorRole.SCHEDULER, None
+            _vllm_config(tiny_model, _host_only()), KVConnectorRole.SCHEDULER, _kv_cache_config()
         ).shutdown()
         assert "kv_load_failure_policy" not in caplog.text
         KVTierConnector(
             _vllm_config(tiny_model, _host_only(), on_load_failure="fail"),
             KVConnectorRole.SCHEDULER,
-            None,
+            _kv_cache_config(),
         ).shutdown()
     assert "kv_load_failure_policy is 'fail'" in caplog.text
+
+
+@pytest.mark.parametrize("role", list(KVConnectorRole), ids=lambda role: role.name.lower())
+def test_a_model_kvtier_cannot_hold_is_refused_as_either_half_is_built(
+    tiny_model: str, role: KVConnectorRole
+) -> None:
+    state = MambaSpec(block_size=BLOCK, shapes=((4, 8),), dtypes=(torch.bfloat16,))
+    config = KVCacheConfig(NUM_BLOCKS, [], [KVCacheGroupSpec(LAYER_NAMES, state)])
+    with pytest.raises(UnsupportedKVCache, match="^kvtier caches full-attention and MLA KV, not"):
+        KVTierConnector(_vllm_config(tiny_model, _host_only()), role, config)
 
 
 def test_each_hook_reports_its_calls_and_the_time_spent_in_it(tiny_model, engines):
