@@ -52,6 +52,7 @@ stage, which on a shared worker would wait for that very load.
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -198,15 +199,51 @@ class ShardReport:
     write ended (key -> 0), which the tiers do not show until they land, and the
     requests whose stage is over (its blocks, if any, among ``held``); and, once
     ``ConnectorCache.track_tiers`` ran, per spill tier the values that landed (key ->
-    blocks of its run) or left it (key -> 0), for KV events."""
+    blocks of its run) or left it (key -> 0), for KV events.
+
+    ``origin`` names the cache that made it (one per worker process) and ``seq`` counts
+    its reports: an engine may deliver a report late (vLLM replays a failed worker's
+    output beside the next one) or twice, and the index applies each origin's reports
+    once and in order (``after``, ``merged``)."""
 
     held: dict[bytes, bool] = field(default_factory=dict)
     queued: dict[str, dict[bytes, int]] = field(default_factory=dict)
     staged: list[str] = field(default_factory=list)
     stored: dict[str, dict[bytes, int]] = field(default_factory=dict)
+    origin: int = 0
+    seq: int = 0
 
     def __bool__(self) -> bool:
         return bool(self.held or self.queued or self.staged or self.stored)
+
+    def after(self, other: ShardReport) -> bool:
+        """Whether this report comes after ``other`` (one of another origin always does:
+        the worker started anew)."""
+        return self.origin != other.origin or self.seq > other.seq
+
+    def merged(self, other: ShardReport) -> ShardReport:
+        """This report and ``other`` (of the same shard) as one, each key as the later of
+        the two has it; the same report twice is itself."""
+        if (other.origin, other.seq) == (self.origin, self.seq):
+            return self
+        older, newer = (other, self) if self.after(other) else (self, other)
+        return ShardReport(
+            {**older.held, **newer.held},
+            _merged_tiers(older.queued, newer.queued),
+            [*older.staged, *(r for r in newer.staged if r not in older.staged)],
+            _merged_tiers(older.stored, newer.stored),
+            newer.origin,
+            newer.seq,
+        )
+
+
+def _merged_tiers(
+    older: dict[str, dict[bytes, int]], newer: dict[str, dict[bytes, int]]
+) -> dict[str, dict[bytes, int]]:
+    out = {tier: dict(values) for tier, values in older.items()}
+    for tier, values in newer.items():
+        out.setdefault(tier, {}).update(values)
+    return out
 
 
 @dataclass
@@ -467,7 +504,10 @@ class ConnectorCache:
         self._loads_reading = 0
         self._no_loads_reading = threading.Condition()
         self._saves: list[_Save] = []
+        self._detached = False  # the engine's KV is unmapped (``detach``)
         self._changes: dict[bytes, bool] = {}  # keys the host pool gained or lost
+        self._origin = random.getrandbits(63)  # of its reports (``ShardReport``)
+        self._reports = 0
         self.trace = Trace(config.metrics.trace_path)
 
     @property
@@ -487,9 +527,11 @@ class ConnectorCache:
             self._settle_stages()
             held, self._changes = self._changes, {}
             staged, self._stages_over = self._stages_over, []
+            self._reports += 1
         if not self.spill:
-            return ShardReport(held, {}, staged)
-        return ShardReport(held, self.spill.take_queued(), staged, self.spill.take_tier_changes())
+            return ShardReport(held, {}, staged, origin=self._origin, seq=self._reports)
+        queued, stored = self.spill.take_queued(), self.spill.take_tier_changes()
+        return ShardReport(held, queued, staged, stored, self._origin, self._reports)
 
     def track_tiers(self) -> None:
         """Report, from now on, which values land in the spill tiers and which leave them
@@ -520,6 +562,8 @@ class ConnectorCache:
         with self._lock:
             if req_id in self._loads:
                 raise ValueError(f"request {req_id!r} already has a load pinned")
+            if self._detached:
+                raise RuntimeError("the engine's KV is unmapped (asleep): no load until attach")
             if self.uses is not None:
                 self.uses.record(keys)
             host_slots = self.host.lookup(keys[: hit.host_blocks])
@@ -699,6 +743,9 @@ class ConnectorCache:
         """
         with self._lock:
             self._poll_saves()
+            if self._detached:  # nothing to copy from: a later miss
+                self._stats["cpu"].dropped += len(blocks)
+                return
             if self.uses is not None:
                 self.uses.record(keys)
             host = self.host
@@ -727,6 +774,31 @@ class ConnectorCache:
             if self.host.reset():  # no eviction hook: staged blocks are gone unused
                 self._staged_unused.clear()
                 self._staged_for.clear()
+
+    def detach(self) -> None:
+        """The engine is about to unmap its KV tensors (vLLM's sleep): returns once no
+        copy of a load or save in flight can touch them any more, and until ``attach``
+        none starts (a load's blocks fail, a save is dropped). Loads and stages read on;
+        what they read stays in the host pool, as does everything below it."""
+        with self._lock:
+            self._detached = True
+            loads = [p for p in self._loads.values() if p.started]
+            saves = list(self._saves)
+        for p in loads:
+            if p.inline:
+                p.transfer.join()
+            else:
+                p.finished.wait()
+        for s in saves:
+            s.transfer.join()
+        with self._lock:
+            self._poll_saves()
+
+    def attach(self) -> None:
+        """The engine's KV tensors are mapped again (vLLM's wake-up; the same tensors,
+        their contents lost): loads and saves copy again."""
+        with self._lock:
+            self._detached = False
 
     # ------------------------------------------------------------------ misc
     def counters(self) -> CacheStats:

@@ -150,6 +150,26 @@ def test_reset_removes_every_held_block_of_every_tier_and_forgets_them():
     assert events.take() == []
 
 
+def test_the_same_shards_handed_again_keep_every_block_held():
+    events, [spec], keys = tracker(1, 2)
+    events.apply(held(spec, keys))
+    events.take()
+    events.set_shards(shards(1))  # vLLM repeats the handshake after a wake-up
+    assert events.take() == []
+    events.apply(held(spec, keys[1:], present=False))
+    [removed] = events.take()
+    assert isinstance(removed, Removed) and removed.hashes == [b"h0.1"]
+
+
+def test_other_shards_remove_every_block_the_old_ones_held():
+    events, [spec], keys = tracker(1, 2)
+    events.apply(held(spec, keys))
+    events.take()
+    events.set_shards(shards(2))
+    [removed] = events.take()
+    assert isinstance(removed, Removed) and removed.hashes == [b"h0.0", b"h0.1"]
+
+
 def test_keys_never_noted_and_other_replicas_shards_are_ignored():
     events, [spec], keys = tracker(1, 2)
     events.apply(held(spec, base_keys(2, seed=9)))

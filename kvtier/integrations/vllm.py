@@ -185,8 +185,13 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
     reports: dict[str, ShardReport]
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        """One report per shard: two of the same shard (a replayed one beside a newer
+        one) are merged in the order they were made, not the order they came in."""
         assert isinstance(other, KVTierWorkerMeta)
-        return KVTierWorkerMeta({**self.reports, **other.reports})  # one entry per shard
+        reports = dict(self.reports)
+        for shard, report in other.reports.items():
+            reports[shard] = reports[shard].merged(report) if shard in reports else report
+        return KVTierWorkerMeta(reports)
 
 
 @dataclass(frozen=True)
@@ -364,6 +369,8 @@ class KVTierConnector(KVConnectorBase_V1):
         self._waiting: dict[str, _RequestState] = {}
         self._running: set[str] = set()  # requests of the last step, unless finished since
         self._unstaged: list[str] = []
+        # Each shard's last report applied (its origin and seq only): ``_fresh``.
+        self._applied: dict[str, ShardReport] = {}
         cpu = self.config.tiers.cpu
         self._staging = cpu is not None and cpu.stage_share > 0
         self._pool_blocks = self._stage_room = 0  # what staging looks ahead over, in blocks
@@ -402,6 +409,20 @@ class KVTierConnector(KVConnectorBase_V1):
         if events_enabled(self._vllm_config):
             self._cache.track_tiers()
         log.info("kvtier: connector on %s (%s), shard %s", kv.describe(), layout.describe(), shard)
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM is about to unmap its KV tensors (sleep, or a discard of the KV cache):
+        returns once no copy of a load or save in flight can touch them, and none starts
+        until ``restore_kv_caches`` (the loads over are reported in the next
+        ``get_finished``). The host pool and the tiers below keep what they hold."""
+        if self._cache is not None:
+            self._guarded("unregister_kv_caches", self._cache.detach)
+            self._collect_loads()
+
+    def restore_kv_caches(self) -> None:
+        """vLLM mapped its KV tensors again (wake-up): loads and saves copy again."""
+        if self._cache is not None:
+            self._guarded("restore_kv_caches", self._cache.attach)
 
     def get_handshake_metadata(self) -> KVTierHandshake | None:
         return KVTierHandshake(self._cache.spec) if self._cache is not None else None
@@ -730,10 +751,11 @@ class KVTierConnector(KVConnectorBase_V1):
         rule), so their retry recomputes instead."""
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, KVTierWorkerMeta):
-            self._guarded("update_connector_output", self.index.apply, meta.reports)
+            reports = self._fresh(meta.reports)
+            self._guarded("update_connector_output", self.index.apply, reports)
             if self.events is not None:
-                self._guarded("take_events", self.events.apply, meta.reports)
-            for shard, report in meta.reports.items():
+                self._guarded("take_events", self.events.apply, reports)
+            for shard, report in reports.items():
                 for req_id in report.staged:
                     if req_id in self._requests:
                         self._requests[req_id].staging.discard(shard)
@@ -789,6 +811,17 @@ class KVTierConnector(KVConnectorBase_V1):
         return True
 
     # ------------------------------------------------------------------ helpers
+    def _fresh(self, reports: dict[str, ShardReport]) -> dict[str, ShardReport]:
+        """The reports not applied yet: each shard's reports apply once, in order (a
+        report that vLLM delivers again, or after a newer one, is dropped)."""
+        fresh = {}
+        for shard, report in reports.items():
+            last = self._applied.get(shard)
+            if last is None or report.after(last):
+                fresh[shard] = report
+                self._applied[shard] = ShardReport(origin=report.origin, seq=report.seq)
+        return fresh
+
     def _match(self, state: _RequestState) -> ConnectorHit | None:
         """The hit past vLLM's own (``state.start``), looked up at most once per
         ``LOOKUP_REUSE`` seconds, and again as soon as the host pools no longer hold the

@@ -122,8 +122,12 @@ class TierEvents:
         return cls(config.hashing.algorithm, ttl)
 
     def set_shards(self, shards: Sequence[ShardSpec]) -> None:
-        """The replica's shards (the workers' handshake); reports of others are ignored."""
-        self._forget_all()
+        """The replica's shards (the workers' handshake); reports of others are ignored.
+        The same shards again (vLLM repeats the handshake after a wake-up) change
+        nothing; other shards hold none of the blocks held so far: they are removed."""
+        if list(shards) == self.shards:
+            return
+        self.reset()
         self.shards = list(shards)
         self._shard_index = {s.name: i for i, s in enumerate(self.shards)}
 

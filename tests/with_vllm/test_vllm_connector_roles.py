@@ -21,7 +21,7 @@ import pytest
 import torch
 
 pytest.importorskip("vllm")
-from redis_servers import LOCAL_URL, delete_prefix, unique_prefix  # noqa: E402
+from redis_servers import LOCAL_URL, delete_prefix, unique_prefix, wait_until  # noqa: E402
 from vllm.config import (  # noqa: E402
     CacheConfig,
     KVTransferConfig,
@@ -1041,3 +1041,90 @@ def test_each_tensor_parallel_shard_stages_its_own_blocks(tiny_model, engines, r
     engine.step({"r": 1})
     for got, want in zip(engine.kv(0, [5, 6, 7, 8]), saved, strict=True):
         assert torch.equal(got, want)
+
+
+# ------------------------------------------------------------ sleep and replayed reports
+def test_sleep_returns_once_a_spill_load_in_flight_has_copied_and_no_copy_follows_it(
+    tiny_model, engines, tmp_path, monkeypatch
+):
+    chain = _hashes(30, 4)
+    saved = _on_disk(tiny_model, engines, _disk(tmp_path), chain)
+    engine = engines(tiny_model, _disk(tmp_path))
+    worker = engine.workers[0]
+    reads, gate = _gate_first_read(worker.cache, monkeypatch)
+    engine.run_another()
+    assert engine.admit(_request("r", chain), [5, 6, 7, 8, 9]) == (4 * BLOCK, True)
+    engine.step({})  # the load starts; its read waits at the gate
+    wait_until(lambda: reads, 30, "the load's read to begin")
+    asleep = threading.Thread(target=worker.unregister_kv_caches)
+    asleep.start()
+    asleep.join(0.2)
+    assert asleep.is_alive()  # it waits for the load's copy
+    gate.set()
+    asleep.join(30)
+
+    for got, want in zip(engine.kv(0, [5, 6, 7, 8]), saved, strict=True):
+        assert torch.equal(got, want)  # copied before vLLM could unmap the KV
+    unmapped = engine.kv(0, list(range(NUM_BLOCKS)))
+    worker.cache.save([0, 1], worker.cache.keys(_hashes(31, 2)), worker.cache.root, 0)
+    assert engine.step({}) == ({"r"}, set())  # the load is reported over
+    assert all(map(torch.equal, engine.kv(0, list(range(NUM_BLOCKS))), unmapped))
+    assert worker.cache.counters()["cpu"].dropped == 2  # the save found no KV to copy
+
+
+def test_after_wake_up_a_hit_loads_from_the_host_pool_kept_through_sleep(
+    tiny_model, engines, tmp_path
+):
+    engine = engines(tiny_model, _disk(tmp_path))
+    chain = _hashes(32, 4)
+    engine.serve(_request("a", chain), [0, 1, 2, 3, 4])
+    saved = engine.kv(0, [0, 1, 2, 3])
+    worker = engine.workers[0]
+    worker.unregister_kv_caches()
+    for layer in worker.cache.kv.layers:  # the KV's contents are lost in sleep
+        layer.zero_()
+    worker.restore_kv_caches()
+    engine.scheduler.set_xfer_handshake_metadata_pp_aware(  # vLLM repeats the handshake
+        {(0, 0): worker.get_handshake_metadata()}
+    )
+
+    n, _ = engine.admit(_request("b", chain), [5, 6, 7, 8, 9])
+    assert n == 4 * BLOCK
+    engine.step({"b": 1})
+    assert engine.workers[0].cache.counters()["cpu"].blocks_out == 4
+    for got, want in zip(engine.kv(0, [5, 6, 7, 8]), saved, strict=True):
+        assert torch.equal(got, want)
+
+
+def _reports(engine: Engine, held: list[dict[int, bool]]) -> list[kvtier_vllm.KVTierWorkerMeta]:
+    """Rank 0's next reports, one per step, each with keys ``held`` (block -> in its host
+    pool) of chain 33."""
+    cache = engine.workers[0].cache
+    keys = cache.keys(engine.scheduler.index.keys(_hashes(33, 4)))
+    out = []
+    for step in held:
+        report = cache.take_report()
+        report.held = {keys[i]: present for i, present in step.items()}
+        out.append(kvtier_vllm.KVTierWorkerMeta({cache.shard: report}))
+    return out
+
+
+def _index_holds(engine: Engine, block: int) -> bool:
+    return engine.scheduler.index.holds(engine.scheduler.index.keys(_hashes(33, 4)[block:][:1]))
+
+
+@pytest.mark.parametrize("order", ["older first", "newer first"])
+def test_a_report_replayed_beside_a_newer_one_applies_as_they_were_made(tiny_model, engines, order):
+    engine = engines(tiny_model, _host_only())
+    older, newer = _reports(engine, [{0: True, 1: True}, {1: False, 2: True}])
+    merged = older.aggregate(newer) if order == "older first" else newer.aggregate(older)
+    engine.scheduler.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=merged))
+    assert [_index_holds(engine, i) for i in range(3)] == [True, False, True]
+
+
+def test_a_report_delivered_again_after_a_newer_one_is_not_applied_again(tiny_model, engines):
+    engine = engines(tiny_model, _host_only())
+    older, newer = _reports(engine, [{0: True}, {0: False}])
+    for meta in (older, newer, older):
+        engine.scheduler.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=meta))
+    assert not _index_holds(engine, 0)
