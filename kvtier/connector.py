@@ -503,6 +503,7 @@ class ConnectorCache:
         # (``STAGE_YIELD`` at most), for their requests run now and a stage's still waits.
         self._loads_reading = 0
         self._no_loads_reading = threading.Condition()
+        self._stage_yielding = False  # the stager waits in ``_read_stage`` (``stage_yielding``)
         self._saves: list[_Save] = []
         self._detached = False  # the engine's KV is unmapped (``detach``)
         self._changes: dict[bytes, bool] = {}  # keys the host pool gained or lost
@@ -673,6 +674,14 @@ class ConnectorCache:
     def staging(self) -> bool:
         """Whether a stage is under way."""
         return bool(self._stages)
+
+    @property
+    def stage_yielding(self) -> bool:
+        """Whether the stager is inside its wait for the loads being read to be over
+        (``STAGE_YIELD`` at most), its stage's read not started; a stage waits only while
+        some load is being read. For tests and diagnostics."""
+        with self._no_loads_reading:  # the stager holds it except inside the wait
+            return self._stage_yielding
 
     @property
     def loading(self) -> bool:
@@ -936,7 +945,11 @@ class ConnectorCache:
     def _read_stage(self, p: _Load) -> None:
         if not p.cancelled:  # one cancelled while queued holds up the stages behind it no more
             with self._no_loads_reading:
-                self._no_loads_reading.wait_for(lambda: not self._loads_reading, STAGE_YIELD)
+                self._stage_yielding = True
+                try:
+                    self._no_loads_reading.wait_for(lambda: not self._loads_reading, STAGE_YIELD)
+                finally:
+                    self._stage_yielding = False
         with self._lock:  # from here on, the stage's slots are its read's
             p.reading = not p.cancelled
         if p.reading:  # else it is over already (``_cancel_stage``)

@@ -2,10 +2,14 @@
 
 A missing server skips the ``real``/``cluster`` cases, or fails them when
 ``KVTIER_REQUIRE_REDIS=1`` (CI). Every backend deletes the keys its tiers wrote.
+Likewise a vLLM that does not import skips the vLLM tests, or fails the session at
+collection when ``KVTIER_REQUIRE_VLLM=1`` (CI).
 """
 
 from __future__ import annotations
 
+import importlib
+import os
 import socket
 import threading
 from collections.abc import Iterator
@@ -22,6 +26,30 @@ from redis_servers import (
     make_backend,
     unavailable,
 )
+
+# --- vLLM required ----------------------------------------------------------------
+
+REQUIRE_VLLM_ENV = "KVTIER_REQUIRE_VLLM"
+# What the vLLM tests import or skip on (``pytest.importorskip``).
+VLLM_MODULES = ("vllm", "vllm.distributed.kv_events")
+
+
+def pytest_collection(session: pytest.Session) -> None:
+    """With ``KVTIER_REQUIRE_VLLM=1``, a vLLM that does not import ends the session
+    before any test is collected (a usage error naming the cause), instead of letting
+    the vLLM tests skip themselves. Without it (``make test VLLM=``) they skip."""
+    if os.environ.get(REQUIRE_VLLM_ENV, "") in ("", "0"):
+        return
+    for module in VLLM_MODULES:
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # a broken install raises more than ImportError
+            raise pytest.UsageError(
+                f"{REQUIRE_VLLM_ENV}=1 but `import {module}` fails ({type(e).__name__}: {e}):"
+                f" install vLLM with `make vllm`, or unset {REQUIRE_VLLM_ENV} to let the"
+                " vLLM tests skip"
+            ) from e
+
 
 # --- session resources -------------------------------------------------------------
 

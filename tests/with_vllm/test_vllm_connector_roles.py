@@ -12,7 +12,6 @@ call exactly where a real engine, or a fault, would put it.
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -744,11 +743,12 @@ def test_a_stage_reads_once_the_loads_being_read_are_over(
     _on_disk(tiny_model, engines, _disk(tmp_path), running + waiting)
     engine = engines(tiny_model, _disk(tmp_path))
     cache = engine.workers[0].cache
+    monkeypatch.setattr("kvtier.connector.STAGE_YIELD", 60.0)  # it waits for the load only
     reads, gate = _gate_first_read(cache, monkeypatch)  # the load's
     engine.run_another()  # so that the load is asynchronous
     engine.admit(_request("r", running), [5, 6, 7, 8, 9])
     engine.arrive(_request("s", running + waiting))  # its stage is submitted with the load
-    time.sleep(0.1)  # the stager is free: only the load holds the stage back
+    wait_until(lambda: cache.stage_yielding, 30, "the stage to wait for the load", 0.005)
     assert reads == [0]
     gate.set()
     cache.wait_loads()
