@@ -24,7 +24,10 @@ where the root names the model, the config's salt and how often the cache was re
 Each shard stores a block under its own key ``H(shard root || base key)``: the shard
 root names the worker's KV tensor layout (``EngineKV.describe``) and its rank in the
 tensor- and pipeline-parallel world, so ranks, TP sizes and layouts never share a
-value, and bytes are only ever read back into the layout that wrote them. Workers
+value, and bytes are only ever read back into the layout that wrote them. Ranks that
+hold the same KV (an MLA latent is whole on every tensor-parallel rank) are one
+shard's replicas: they share its root, so one copy of a block is stored below,
+written by the first of them and read by each; each keeps its own host pool. Workers
 tell the scheduler their shard once at start-up (``ShardSpec``), and record it (its
 namespace, model name and layout) in each spill tier they open, for ``kvtier stats``,
 ``inspect`` and ``clear`` (``kvtier.namespaces``).
@@ -452,12 +455,22 @@ class ConnectorCache:
     below the engine's KV blocks.
 
     ``name`` names what the engine serves (its model): engines of the same name share
-    values in the spill tiers. ``shard`` names this worker's rank; with the KV tensor
-    layout it makes the root of this shard's keys.
+    values in the spill tiers. ``shard`` names this worker's rank; ``keys_of`` (by
+    default ``shard``), with the KV tensor layout, makes the root of this shard's keys:
+    ranks that hold the same KV (replicas) share it, so that one copy of each block is
+    stored below, written by the one of them whose ``spill_writes`` is True; the others
+    read it, and their host pools spill nothing.
     """
 
     def __init__(
-        self, config: KVTierConfig, kv: EngineKV, layout: KVLayout, name: str, shard: str
+        self,
+        config: KVTierConfig,
+        kv: EngineKV,
+        layout: KVLayout,
+        name: str,
+        shard: str,
+        keys_of: str | None = None,
+        spill_writes: bool = True,
     ) -> None:
         if layout.block_numel != len(kv.layers) * kv.block_numel or layout.dtype != kv.dtype:
             raise ValueError(f"layout {layout.describe()} does not match the engine's KV")
@@ -467,8 +480,9 @@ class ConnectorCache:
         self.layout = layout
         self.shard = shard
         self.root = namespace_root(
-            f"{name}|{kv.describe()}|{shard}", layout.fingerprint, h.salt, h.algorithm
+            f"{name}|{kv.describe()}|{keys_of or shard}", layout.fingerprint, h.salt, h.algorithm
         )
+        self._spill_writes = spill_writes
         self._cuda = kv.device.type == "cuda"
         self._lock = threading.RLock()
         self._namespace = spill_namespace(config, name)
@@ -1051,7 +1065,7 @@ class ConnectorCache:
             log.warning("kvtier: save to the host pool failed: %s", s.transfer.error)
             stats.errors += 1
         self.host.free(slots)  # in chain order: the tail is queued first, evicted first
-        if s.transfer.error is None and self.spill:
+        if s.transfer.error is None and self.spill and self._spill_writes:
             self.spill.on_host_publish(s.slots)
 
     def _on_host_evict(self, victims: CachedBlocks) -> None:
@@ -1062,5 +1076,5 @@ class ConnectorCache:
             unused = self._staged_unused.intersection(victims.hashes)
             self._staged_unused -= unused
             self.stage_counts.evicted_unused += len(unused)
-        if self.spill:
+        if self.spill and self._spill_writes:
             self.spill.on_host_evict(victims)

@@ -150,6 +150,21 @@ def test_reset_removes_every_held_block_of_every_tier_and_forgets_them():
     assert events.take() == []
 
 
+def test_ranks_holding_the_same_kv_each_need_it_in_their_host_pool_and_one_copy_below():
+    events = TierEvents(ALGO)
+    s0, s1 = (ShardSpec(f"tp{i}/2 pp0/1", b"\x01" * 16, ValueShape(0, 1)) for i in range(2))
+    events.set_shards([s0, s1])  # MLA's latent on both ranks: one root, one copy below
+    keys = base_keys(2)
+    events.note(request(2), keys, 0, 2, BLOCK)
+    events.apply(held(s0, keys))
+    assert events.take() == []  # rank 1's host pool does not hold them yet
+    events.apply(held(s1, keys))
+    assert [e.tier for e in events.take()] == ["cpu"]
+    events.apply(landed(s0, "disk", keys[-1], 2))  # written by rank 0 alone
+    [stored] = events.take()
+    assert stored.tier == "disk" and [b.block_hash for b in stored.blocks] == [b"h0.0", b"h0.1"]
+
+
 def test_the_same_shards_handed_again_keep_every_block_held():
     events, [spec], keys = tracker(1, 2)
     events.apply(held(spec, keys))

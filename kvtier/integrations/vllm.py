@@ -286,16 +286,30 @@ class _RequestState:
     last_lookup: _Lookup | None = None  # reused for ``LOOKUP_REUSE`` seconds
 
 
-def shard_name(parallel: ParallelConfig) -> str:
-    """This worker's shard: its tensor- and pipeline-parallel rank among how many. From
-    vLLM's process groups once they exist, else from ``parallel.rank`` (a worker built
-    outside an engine)."""
-    tp_size, pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
-    if model_parallel_is_initialized():
-        tp, pp = get_tp_group().rank_in_group, get_pp_group().rank_in_group
-    else:
-        tp, pp = parallel.rank % tp_size, parallel.rank // tp_size % pp_size
-    return f"tp{tp}/{tp_size} pp{pp}/{pp_size}"
+@dataclass(frozen=True)
+class Shard:
+    """This worker's part of the engine's KV: ``name`` its tensor- and pipeline-parallel
+    rank among how many; ``keys`` the name its keys are made from, the same for ranks
+    that hold the same KV (``replicas`` consecutive TP ranks: MLA's one latent on every
+    rank, KV heads fewer than ranks), so that one copy is stored below; ``writes``:
+    whether it writes that copy to the spill tiers (the first of its replicas)."""
+
+    name: str
+    keys: str
+    writes: bool
+
+    @classmethod
+    def of(cls, parallel: ParallelConfig, replicas: int = 1) -> Shard:
+        """From vLLM's process groups once they exist, else from ``parallel.rank`` (a
+        worker built outside an engine)."""
+        tp_size, pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+        if model_parallel_is_initialized():
+            tp, pp = get_tp_group().rank_in_group, get_pp_group().rank_in_group
+        else:
+            tp, pp = parallel.rank % tp_size, parallel.rank // tp_size % pp_size
+        name = f"tp{tp}/{tp_size} pp{pp}/{pp_size}"
+        keys = f"tp{tp // replicas}/{tp_size // replicas} pp{pp}/{pp_size}"
+        return cls(name, keys, tp % replicas == 0)
 
 
 def omp_cpus(environ: Mapping[str, str]) -> set[int] | None:
@@ -402,13 +416,20 @@ class KVTierConnector(KVConnectorBase_V1):
         """Adopt vLLM's per-layer KV tensors and open this rank's tiers below them."""
         names = sorted(kv_caches, key=extract_layer_index)
         kv, layout = engine_kv(kv_caches, names, self._spec, self._kv_cache_config.num_blocks)
-        parallel = self._vllm_config.parallel_config
-        shard = shard_name(parallel)
+        shard = Shard.of(self._vllm_config.parallel_config, self._kv_cache_config.kv_tp_replicas)
         self._guarded("register_kv_caches", self._warn_about_binding)
-        self._cache = ConnectorCache(self.config, kv, layout, self._name, shard)
+        self._cache = ConnectorCache(
+            self.config, kv, layout, self._name, shard.name, shard.keys, shard.writes
+        )
         if events_enabled(self._vllm_config):
             self._cache.track_tiers()
-        log.info("kvtier: connector on %s (%s), shard %s", kv.describe(), layout.describe(), shard)
+        log.info(
+            "kvtier: connector on %s (%s), shard %s%s",
+            kv.describe(),
+            layout.describe(),
+            shard.name,
+            "" if shard.writes else f" (a replica of {shard.keys}'s KV: stored once, by it)",
+        )
 
     def unregister_kv_caches(self) -> None:
         """vLLM is about to unmap its KV tensors (sleep, or a discard of the KV cache):

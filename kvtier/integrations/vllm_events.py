@@ -12,8 +12,9 @@ Contract.
 
 - ``BlockStored`` (medium of the tier) when a block becomes held in a tier by every
   shard of the replica (tensor x pipeline ranks: each holds its part of the block's
-  KV, and a load needs them all), ``BlockRemoved`` when it stops being so; one event
-  per block and tier for the replica, never per rank. A spill value holds the blocks
+  KV, and a load needs them all; ranks that hold the same KV, as MLA's, store one copy
+  below, so there one value under their shared key suffices), ``BlockRemoved`` when it
+  stops being so; one event per block and tier for the replica, never per rank. A spill value holds the blocks
   of its run; a block stays held while any value covering it is there.
 - Blocks carry vLLM's own block hashes (as vLLM's GPU events publish them), the parent
   hash, the token ids and the block size, so they join vLLM's GPU events. Consecutive
@@ -106,9 +107,11 @@ class TierEvents:
         self._blocks: dict[bytes, BlockInfo] = {}  # base key -> metadata
         self._keys: dict[bytes, tuple[bytes, ...]] = {}  # base key -> its key in each shard
         self._base: dict[bytes, bytes] = {}  # shard key -> base key
-        # tier -> shard key -> values holding that shard's part (the host pool: 1)
-        self._cover: dict[str, Counter[bytes]] = {}
+        # tier -> shard key -> values holding that shard's part; the host pool's by
+        # (shard, shard key) -> 1: replicas' host pools hold the same keys, each a copy
+        self._cover: dict[str, Counter[bytes | tuple[int, bytes]]] = {}
         self._holders: dict[str, Counter[bytes]] = {}  # tier -> base key -> shards holding it
+        self._roots = 0  # distinct roots of the shards' keys: copies of a block below
         self._values: dict[str, dict[bytes, tuple[bytes, ...]]] = {}  # value key -> its blocks
         self._refs: Counter[bytes] = Counter()  # base key -> (tier, shard) parts held
         self._recent: OrderedDict[bytes, None] = OrderedDict()
@@ -129,6 +132,7 @@ class TierEvents:
             return
         self.reset()
         self.shards = list(shards)
+        self._roots = len({s.root for s in self.shards})
         self._shard_index = {s.name: i for i, s in enumerate(self.shards)}
 
     def note(self, request: Any, keys: Sequence[bytes], start: int, end: int,
@@ -167,8 +171,8 @@ class TierEvents:
                 continue
             host = self._cover.setdefault(HOST, Counter())
             for key, present in report.held.items():
-                if present != (key in host) and key in self._base:
-                    self._cover_keys(HOST, [key], 1 if present else -1)
+                if present != ((shard, key) in host) and key in self._base:
+                    self._cover_keys(HOST, [key], 1 if present else -1, shard)
             for tier, values in report.stored.items():
                 for key, n in values.items():
                     self._value(tier, shard, key, n)
@@ -177,7 +181,7 @@ class TierEvents:
         """Every block held is removed; all state goes (kvtier moved to new keys)."""
         for tier, holders in self._holders.items():
             for base, n in holders.items():
-                if n == len(self.shards):
+                if n == self._needed(tier):
                     self._changes.append((False, tier, self._blocks[base]))
         self._forget_all()
 
@@ -234,17 +238,20 @@ class TierEvents:
                 return
             self._value(tier, shard, key, 0)
 
-    def _cover_keys(self, tier: str, keys: Sequence[bytes], step: int) -> None:
+    def _cover_keys(
+        self, tier: str, keys: Sequence[bytes], step: int, shard: int | None = None
+    ) -> None:
         """One more (``step`` 1) or one fewer (-1) value of ``tier`` holds each of
-        these shard keys; a shard key held by none, or newly by one, changes its block's
-        holders."""
+        these shard keys (the host pool: ``shard``'s); a shard key held by none, or
+        newly by one, changes its block's holders."""
         cover = self._cover.setdefault(tier, Counter())
         for key in keys:
-            before = cover[key]
-            cover[key] = before + step
-            if cover[key] <= 0:
-                del cover[key]
-            if (before == 0) != (cover[key] == 0):
+            part = key if shard is None else (shard, key)
+            before = cover[part]
+            cover[part] = before + step
+            if cover[part] <= 0:
+                del cover[part]
+            if (before == 0) != (cover[part] == 0):
                 self._hold(tier, self._base[key], step)
 
     def _hold(self, tier: str, base: bytes, step: int) -> None:
@@ -255,14 +262,20 @@ class TierEvents:
         holders[base] = before + step
         if not holders[base]:
             del holders[base]
-        if holders[base] == len(self.shards):
+        needed = self._needed(tier)
+        if holders[base] == needed:
             self._changes.append((True, tier, self._blocks[base]))
-        elif before == len(self.shards):
+        elif before == needed:
             self._changes.append((False, tier, self._blocks[base]))
         self._refs[base] += step
         if self._refs[base] <= 0:
             del self._refs[base]
             self._let_go(base)
+
+    def _needed(self, tier: str) -> int:
+        """Holders that make a block held in ``tier``: every shard's host pool; below,
+        a value under each distinct root (replicas share one copy)."""
+        return len(self.shards) if tier == HOST else self._roots
 
     def _let_go(self, base: bytes) -> None:
         """``base`` is held nowhere: keep its metadata among the recent ones a while."""
@@ -273,7 +286,7 @@ class TierEvents:
             if old not in self._refs:
                 del self._blocks[old]
                 for key in self._keys.pop(old):
-                    del self._base[key]
+                    self._base.pop(key, None)  # replicas' keys are alike
 
     def _forget_all(self) -> None:
         for state in (self._blocks, self._keys, self._base, self._cover, self._holders,

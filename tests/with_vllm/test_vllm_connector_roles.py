@@ -35,6 +35,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     KVCacheConfig,
     KVCacheGroupSpec,
     MambaSpec,
+    MLAAttentionSpec,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
@@ -109,33 +110,54 @@ class SchedulerOutput:
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
 
-def _kv_cache_config(tp: int = 1) -> KVCacheConfig:
-    """vLLM's ``KVCacheConfig`` of the tiny model on one of ``tp`` ranks."""
+MLA_LATENT = 576  # DeepSeek's compressed KV and rope key: one "head", alike on every rank
+
+
+def _kv_cache_config(tp: int = 1, mla: bool = False) -> KVCacheConfig:
+    """vLLM's ``KVCacheConfig`` of the tiny model on one of ``tp`` ranks; with ``mla`` as
+    an MLA model's: every rank holds the same latent (vLLM's ``kv_tp_replicas``)."""
+    if mla:
+        spec = MLAAttentionSpec(
+            block_size=BLOCK, num_kv_heads=1, head_size=MLA_LATENT, dtype=torch.bfloat16
+        )
+        return KVCacheConfig(
+            NUM_BLOCKS, [], [KVCacheGroupSpec(LAYER_NAMES, spec)], kv_tp_replicas=tp
+        )
     spec = FullAttentionSpec(
         block_size=BLOCK, num_kv_heads=KV_HEADS // tp, head_size=32, dtype=torch.bfloat16
     )
     return KVCacheConfig(NUM_BLOCKS, [], [KVCacheGroupSpec(LAYER_NAMES, spec)])
 
 
+def _kv_caches(tp: int, mla: bool) -> dict[str, torch.Tensor]:
+    """A worker's KV tensors as vLLM's CPU backends view them: ``[blocks, kv_heads,
+    block_size, 2 * head_size]`` of random KV, or MLA's ``[blocks, 1, block_size,
+    latent]``, the same on every rank."""
+    if mla:
+        seeds = [torch.Generator().manual_seed(i) for i in range(LAYERS)]
+        shape = (NUM_BLOCKS, 1, BLOCK, MLA_LATENT)
+        return {
+            name: torch.randn(shape, generator=g).to(torch.bfloat16)
+            for name, g in zip(LAYER_NAMES, seeds)
+        }
+    shape = (NUM_BLOCKS, KV_HEADS // tp, BLOCK, 64)
+    return {name: torch.randn(shape, dtype=torch.bfloat16) for name in LAYER_NAMES}
+
+
 class Engine:
     """A scheduler-side connector and ``tp`` worker-side ones, wired as vLLM wires them."""
 
-    def __init__(self, model: str, kvtier: dict, tp: int = 1) -> None:
+    def __init__(self, model: str, kvtier: dict, tp: int = 1, mla: bool = False) -> None:
+        kv_cache_config = _kv_cache_config(tp, mla)
         self.workers = []  # first, as vLLM registers the KV caches before the scheduler
         for rank in range(tp):
             worker = KVTierConnector(
-                _vllm_config(model, kvtier, tp, rank), KVConnectorRole.WORKER, _kv_cache_config(tp)
+                _vllm_config(model, kvtier, tp, rank), KVConnectorRole.WORKER, kv_cache_config
             )
-            # vLLM's CPU view of a layer: [blocks, kv_heads, block_size, 2 * head_size]
-            worker.register_kv_caches(
-                {
-                    name: torch.randn(NUM_BLOCKS, KV_HEADS // tp, BLOCK, 64, dtype=torch.bfloat16)
-                    for name in LAYER_NAMES
-                }
-            )
+            worker.register_kv_caches(_kv_caches(tp, mla))
             self.workers.append(worker)
         self.scheduler = KVTierConnector(
-            _vllm_config(model, kvtier, tp), KVConnectorRole.SCHEDULER, _kv_cache_config(tp)
+            _vllm_config(model, kvtier, tp), KVConnectorRole.SCHEDULER, kv_cache_config
         )
         self.scheduler.set_xfer_handshake_metadata_pp_aware(
             {(0, r): w.get_handshake_metadata() for r, w in enumerate(self.workers)}
@@ -269,8 +291,8 @@ def redis_prefix(real_client):
 def engines():
     made: list[Engine] = []
 
-    def make(model: str, kvtier: dict, tp: int = 1) -> Engine:
-        made.append(Engine(model, kvtier, tp))
+    def make(model: str, kvtier: dict, tp: int = 1, mla: bool = False) -> Engine:
+        made.append(Engine(model, kvtier, tp, mla))
         return made[-1]
 
     yield make
@@ -1128,3 +1150,32 @@ def test_a_report_delivered_again_after_a_newer_one_is_not_applied_again(tiny_mo
     for meta in (older, newer, older):
         engine.scheduler.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=meta))
     assert not _index_holds(engine, 0)
+
+
+# ------------------------------------------------------------ MLA: one copy per model
+def _redis_through(prefix: str) -> dict:
+    config = _redis(prefix)
+    config["tiers"]["redis"]["write_policy"] = "write_through"
+    return config
+
+
+def test_an_mla_models_latent_is_stored_once_at_tp_2_and_every_rank_loads_it(
+    tiny_model, engines, redis_prefix
+):
+    chain = _hashes(40, 4)
+    writer = engines(tiny_model, _redis_through(redis_prefix), tp=2, mla=True)
+    writer.serve(_request("w", chain), [0, 1, 2, 3, 4])
+    saved = writer.kv(0, [0, 1, 2, 3])
+    for worker in writer.workers:
+        worker.cache.flush()
+    written = [w.cache.counters()["redis"].blocks_in for w in writer.workers]
+    assert written == [4, 0]  # rank 1 holds the same latent: rank 0 stores it
+    writer.close()
+
+    reader = engines(tiny_model, _redis_through(redis_prefix), tp=2, mla=True)  # a restart
+    assert reader.admit(_request("r", chain), [5, 6, 7, 8, 9]) == (4 * BLOCK, False)
+    reader.step({"r": 1})
+    for rank in (0, 1):
+        for got, want in zip(reader.kv(rank, [5, 6, 7, 8]), saved, strict=True):
+            assert torch.equal(got, want)
+    assert [w.cache.counters()["redis"].blocks_out for w in reader.workers] == [4, 4]
