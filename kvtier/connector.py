@@ -91,14 +91,42 @@ log = logging.getLogger(__name__)
 STAGE_YIELD = 0.25  # seconds a stage's read waits at most for the loads being read
 
 
+# An engine block of a kvtier block: its id, or one id per group where the engine's
+# layers are in groups with block tables of their own (``EngineKV``).
+BlockIds = int | tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """Layers of the engine's KV that share a block table: ``kind`` names what their
+    blocks hold (part of the namespace), ``layers`` counts them; ``windowed``: its table
+    holds the null block where a block fell out of a sliding window."""
+
+    kind: str
+    layers: int
+    windowed: bool = False
+
+
 class EngineKV:
     """The engine's KV: one tensor per layer, ``[num_blocks, ...]`` with blocks on dim 0.
+
+    The layers may be in ``groups`` (in layer order) that each have a block table of
+    their own, as vLLM's KV cache groups do (full attention, a sliding window): a kvtier
+    block is one chain position in every group, and its engine block is one id per
+    group (``BlockIds``; a plain int without groups). In a windowed group an id equal to
+    ``null_block`` holds no KV (the block fell out of the window): a load skips that
+    group's layers there, and a save is never handed one.
 
     Copies move a batch of blocks per layer (``copy_blocks`` coalesces runs) between
     these tensors and the host slab, viewed as ``[slots, layers, *layer block shape]``.
     """
 
-    def __init__(self, layers: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self,
+        layers: Sequence[torch.Tensor],
+        groups: Sequence[LayerGroup] = (),
+        null_block: int | None = None,
+    ) -> None:
         if not layers:
             raise ValueError("EngineKV needs at least one layer tensor")
         first = layers[0]
@@ -108,7 +136,12 @@ class EngineKV:
                     f"KV layer {i} is {tuple(t.shape)} {t.dtype} on {t.device}; expected "
                     f"{tuple(first.shape)} {first.dtype} on {first.device} like layer 0"
                 )
+        if groups and sum(g.layers for g in groups) != len(layers):
+            raise ValueError(f"groups {list(groups)} do not hold the {len(layers)} layers")
         self.layers = list(layers)
+        self.groups = list(groups)
+        self._group_of = [g for g, group in enumerate(self.groups) for _ in range(group.layers)]
+        self._null_block = null_block
         self.device = first.device
         self.dtype = first.dtype
         self.block_shape = tuple(first.shape[1:])
@@ -117,21 +150,45 @@ class EngineKV:
     def describe(self) -> str:
         """The element order of one block (part of the namespace root)."""
         dims = "x".join(str(d) for d in self.block_shape)
-        return f"{len(self.layers)} layers of [{dims}] {self.dtype} on {self.device.type}"
+        text = f"{len(self.layers)} layers of [{dims}] {self.dtype} on {self.device.type}"
+        if len(self.groups) > 1:
+            text += " in groups " + ", ".join(f"{g.kind} x{g.layers}" for g in self.groups)
+        return text
 
     def host_view(self, slab: torch.Tensor) -> torch.Tensor:
         """``slab`` as ``[slots, layers, *block_shape]`` (same bytes)."""
         return slab.view(len(slab), len(self.layers), *self.block_shape)
 
-    def copy_to(self, host: torch.Tensor, block_ids: list[int], slots: list[int]) -> None:
-        """``host[slots[i], l] = layer_l[block_ids[i]]`` for every layer l."""
+    def copy_to(self, host: torch.Tensor, block_ids: Sequence[BlockIds], slots: list[int]) -> None:
+        """``host[slots[i], l] = layer_l[block_ids[i]]`` for every layer l (its group's id)."""
+        per_group = self._per_group(block_ids, slots)
         for i, layer in enumerate(self.layers):
-            copy_blocks(layer, block_ids, host[:, i], slots, non_blocking=True)
+            ids, to = per_group[self._group_of[i] if self._group_of else 0]
+            copy_blocks(layer, ids, host[:, i], to, non_blocking=True)
 
-    def copy_from(self, host: torch.Tensor, slots: list[int], block_ids: list[int]) -> None:
-        """``layer_l[block_ids[i]] = host[slots[i], l]`` for every layer l."""
+    def copy_from(
+        self, host: torch.Tensor, slots: list[int], block_ids: Sequence[BlockIds]
+    ) -> None:
+        """``layer_l[block_ids[i]] = host[slots[i], l]`` for every layer l (its group's id,
+        unless that is the null block)."""
+        per_group = self._per_group(block_ids, slots)
         for i, layer in enumerate(self.layers):
-            copy_blocks(host[:, i], slots, layer, block_ids, non_blocking=True)
+            ids, src = per_group[self._group_of[i] if self._group_of else 0]
+            copy_blocks(host[:, i], src, layer, ids, non_blocking=True)
+
+    def _per_group(
+        self, block_ids: Sequence[BlockIds], slots: list[int]
+    ) -> list[tuple[list[int], list[int]]]:
+        """Each group's engine ids of ``block_ids`` and their ``slots``, the null block's
+        left out."""
+        if not self._group_of:
+            return [(list(block_ids), slots)]
+        out = []
+        for g, group in enumerate(self.groups):
+            null = self._null_block if group.windowed else None
+            pairs = [(ids[g], s) for ids, s in zip(block_ids, slots) if ids[g] != null]
+            out.append(([i for i, _ in pairs], [s for _, s in pairs]))
+        return out
 
 
 def engine_blocks(layer: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -417,11 +474,11 @@ class _Load:
     keys: list[bytes]  # keys of the loaded blocks, in order
     parent: bytes  # key of the block before keys[0] (the root for block 0)
     start: int  # chain position of keys[0]
-    blocks: list[int]
+    blocks: list[BlockIds]
     host_slots: list[int]
     spill_slots: list[int]
     runs: tuple[SpillRun, ...]
-    unpinned: list[int]  # engine blocks that could not be pinned: failed from the start
+    unpinned: list[BlockIds]  # engine blocks that could not be pinned: failed from the start
     times: LoadTimes = field(default_factory=LoadTimes)  # for the trace
     started: float = 0.0
     valid: int = 0  # leading blocks loaded and checked
@@ -437,7 +494,7 @@ class _Load:
     def slots(self) -> list[int]:
         return self.host_slots + self.spill_slots
 
-    def failed_blocks(self) -> list[int]:
+    def failed_blocks(self) -> list[BlockIds]:
         """Engine blocks that hold no valid KV once the load is over."""
         return self.blocks[self.valid :] + self.unpinned
 
@@ -561,7 +618,7 @@ class ConnectorCache:
         keys: Sequence[bytes],
         parent: bytes,
         hit: ConnectorHit,
-        blocks: list[int],
+        blocks: list[BlockIds],
     ) -> int:
         """Pin ``hit`` for loading into engine ``blocks`` (one per hit block); ``keys``
         are this shard's keys of the hit's blocks, ``parent`` that of the block before
@@ -736,7 +793,7 @@ class ConnectorCache:
             self._count_loads_reading(-1)
             raise
 
-    def finished_loads(self) -> list[tuple[str, list[int]]]:
+    def finished_loads(self) -> list[tuple[str, list[BlockIds]]]:
         """Loads that are over, each with the engine blocks that did not load (recompute
         them); unpins their slots and publishes what came from the spill tiers."""
         with self._lock:
@@ -754,7 +811,9 @@ class ConnectorCache:
             return out
 
     # ------------------------------------------------------------------ saves
-    def save(self, blocks: list[int], keys: Sequence[bytes], parent: bytes, start: int) -> None:
+    def save(
+        self, blocks: list[BlockIds], keys: Sequence[bytes], parent: bytes, start: int
+    ) -> None:
         """Copy engine ``blocks`` (chain positions ``start..``, this shard's keys ``keys``,
         the first one's parent ``parent``) into host slots, unless already there (then
         they are only queued again, as the newest). Call after the engine has queued the
@@ -1025,7 +1084,7 @@ class ConnectorCache:
                 self._settle(req_id, p)
                 self._stages_over.append(req_id)
 
-    def _save_piece(self, src: list[int], chain: CachedBlocks) -> None:
+    def _save_piece(self, src: list[BlockIds], chain: CachedBlocks) -> None:
         """Copy engine blocks ``src`` into newly allocated slots that will hold ``chain``."""
         n = len(src)
         evictions = self.host.stats().evictions

@@ -70,7 +70,7 @@ import os
 import re
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -81,6 +81,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
 from vllm.distributed.parallel_state import (
@@ -88,7 +89,6 @@ from vllm.distributed.parallel_state import (
     get_tp_group,
     model_parallel_is_initialized,
 )
-from vllm.model_executor.models.utils import extract_layer_index
 from vllm.platforms import current_platform
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -101,7 +101,13 @@ from kvtier.connector import (
     ShardSpec,
 )
 from kvtier.integrations.vllm_events import TierEvents, events_enabled, to_vllm
-from kvtier.integrations.vllm_layout import cached_spec, engine_kv
+from kvtier.integrations.vllm_layout import (
+    cached_groups,
+    engine_ids,
+    engine_kv,
+    holds_all,
+    windowed,
+)
 from kvtier.integrations.vllm_metrics import (
     FAULTS,
     HOOKS,
@@ -152,6 +158,11 @@ HIT_SOURCES: dict[str, CacheHitSource] = {
     "disk": CacheHitSource.DISK,
     "redis": CacheHitSource.EXTERNAL_UNSPECIFIED,
 }
+
+
+def _positions(tables: Sequence[list[int]], start: int, end: int) -> list[tuple[int, ...]]:
+    """The engine blocks of chain positions ``start..end``: one id per KV cache group."""
+    return list(zip(*(table[start:end] for table in tables)))
 
 
 def timed(hook: Callable[..., Any]) -> Callable[..., Any]:
@@ -343,8 +354,9 @@ def load_connector_config(extra: dict[str, Any]) -> KVTierConfig:
     )
 
 
-class KVTierConnector(KVConnectorBase_V1):
-    """kvtier's host pool and spill tiers under vLLM's GPU blocks (see module docstring)."""
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
+    """kvtier's host pool and spill tiers under vLLM's GPU blocks (see module docstring).
+    With vLLM's hybrid KV cache manager, every KV cache group at once (``vllm_layout``)."""
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -363,7 +375,8 @@ class KVTierConnector(KVConnectorBase_V1):
                 f"KVTierConnector needs block hashes per KV block: hash_block_size "
                 f"{hash_block} != block_size {cache_config.block_size}"
             )
-        self._spec = cached_spec(kv_cache_config)  # refuses what kvtier cannot hold
+        self._groups = cached_groups(kv_cache_config)  # refuses what kvtier cannot hold
+        self._windowed = windowed(self._groups)
         self.config = load_connector_config(self._kv_transfer_config.kv_connector_extra_config)
         self.block_size = cache_config.block_size
         model = self.config.model
@@ -414,8 +427,7 @@ class KVTierConnector(KVConnectorBase_V1):
     # ============================================================ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Adopt vLLM's per-layer KV tensors and open this rank's tiers below them."""
-        names = sorted(kv_caches, key=extract_layer_index)
-        kv, layout = engine_kv(kv_caches, names, self._spec, self._kv_cache_config.num_blocks)
+        kv, layout = engine_kv(kv_caches, self._kv_cache_config, self._groups)
         shard = Shard.of(self._vllm_config.parallel_config, self._kv_cache_config.kv_tp_replicas)
         self._guarded("register_kv_caches", self._warn_about_binding)
         self._cache = ConnectorCache(
@@ -633,9 +645,9 @@ class KVTierConnector(KVConnectorBase_V1):
             elif failed:
                 self._report_failed(req_id, failed)
 
-    def _report_failed(self, req_id: str, blocks: list[int]) -> None:
+    def _report_failed(self, req_id: str, blocks: list[tuple[int, ...]]) -> None:
         if blocks:
-            self._load_errors.update(blocks)
+            self._load_errors.update(engine_ids(blocks, self._windowed))
             self.num_load_errors += len(blocks)
             self._failed_now.add(req_id)
 
@@ -713,13 +725,12 @@ class KVTierConnector(KVConnectorBase_V1):
         if not num_external_tokens or hit is None:
             return
         hit = hit.truncated(num_external_tokens // self.block_size)
-        table = blocks.get_block_ids()[0]
-        targets = table[hit.start : hit.start + hit.num_blocks]
+        targets = _positions(blocks.get_block_ids(), hit.start, hit.start + hit.num_blocks)
         spec = self._guarded("update_state_after_alloc", self._load_spec, state, hit, targets)
         if spec is None:  # the workers must still hear of it: as blocks not loaded
             spec = LoadSpec(request.request_id, None, [], None, targets, state.asynchronous)
         self._loads.append(spec)
-        state.loading = set(targets)
+        state.loading = engine_ids(targets, self._windowed)
         if self.trace:
             self.trace.event(
                 "load_planned", spec.req_id, blocks=len(targets), asynchronous=spec.asynchronous
@@ -759,9 +770,8 @@ class KVTierConnector(KVConnectorBase_V1):
                 if self.trace:
                     self.trace.event("compute", req_id, tokens=num_new)
             if state is not None and state.saves:
-                save = self._guarded("build_connector_meta", self._save_spec, state, num_new)
-                if save is not None:
-                    meta.saves.append(save)
+                saves = self._guarded("build_connector_meta", self._save_specs, state, num_new)
+                meta.saves.extend(saves or ())
         return meta
 
     @timed
@@ -804,6 +814,12 @@ class KVTierConnector(KVConnectorBase_V1):
         if state is not None:
             self._unstage(state)
         return False, None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished``, as vLLM's hybrid KV cache manager calls it."""
+        return self.request_finished(request, block_ids[0])
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """kvtier's tiers as KV events since the last step (``vllm_events``); vLLM
@@ -930,7 +946,9 @@ class KVTierConnector(KVConnectorBase_V1):
             state.staging.clear()
             state.stage_blocks = 0
 
-    def _load_spec(self, state: _RequestState, hit: ConnectorHit, targets: list[int]) -> LoadSpec:
+    def _load_spec(
+        self, state: _RequestState, hit: ConnectorHit, targets: list[tuple[int, ...]]
+    ) -> LoadSpec:
         keys = self._keys(state)
         start, end = hit.start, hit.start + hit.num_blocks
         state.loaded = hit.blocks_per_tier()
@@ -939,26 +957,32 @@ class KVTierConnector(KVConnectorBase_V1):
         req_id = state.request.request_id
         return LoadSpec(req_id, hit, keys[start:end], parent, targets, state.asynchronous)
 
-    def _save_spec(self, state: _RequestState, num_new: int) -> SaveSpec | None:
+    def _save_specs(self, state: _RequestState, num_new: int) -> list[SaveSpec]:
+        """The saves of the blocks that become full this step: a run of positions per
+        spec, a position that a sliding window's table no longer holds left out (it fell
+        out of the window before this step: the blocks of vLLM's own hit; the position
+        was saved when it was computed, or is not a hit below)."""
         request = state.request
         full = min(
             len(request.block_hashes),
             (request.num_computed_tokens + num_new) // self.block_size,
         )
         if full <= state.num_saved:
-            return None
+            return []
         keys = self._keys(state)
         start = state.num_saved
-        table = self._kv_cache_manager.get_block_ids(request.request_id)[0]
+        table = _positions(self._kv_cache_manager.get_block_ids(request.request_id), start, full)
         state.num_saved = full
         self._note(state, start, full)
-        return SaveSpec(
-            request.request_id,
-            table[start:full],
-            keys[start:full],
-            keys[start - 1] if start else None,
-            start,
-        )
+        specs, first = [], start
+        for i in range(start, full + 1):
+            if i == full or not holds_all(table[i - start], self._windowed):
+                if i > first:
+                    parent = keys[first - 1] if first else None
+                    ids = table[first - start : i - start]
+                    specs.append(SaveSpec(request.request_id, ids, keys[first:i], parent, first))
+                first = i + 1
+        return specs
 
     def _note(self, state: _RequestState, start: int, end: int) -> None:
         """Blocks ``start..end`` of the request go to the workers: their KV events may

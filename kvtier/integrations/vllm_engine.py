@@ -16,7 +16,7 @@ vLLM measured it, and the prompt tokens each source supplied (vLLM's counters:
 ``vllm`` for its own cache, kvtier's ``cpu`` / ``disk`` / ``redis``); with the
 connector also kvtier's per-tier counters, as vLLM's metrics carry them.
 
-No model hub: ``save_model`` writes a seeded random Llama and a word-level tokenizer
+No model hub: ``save_model`` writes a seeded random model and a word-level tokenizer
 (token ``i`` is the word ``w<i>``) to a directory vLLM loads like any checkpoint.
 """
 
@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from transformers import LlamaConfig
+from transformers import PretrainedConfig
 
 from kvtier.workloads import Chat, ChatShape
 
@@ -39,16 +39,18 @@ BLOCK_SIZE = 32  # tokens per vLLM block (on CPU a multiple of 32)
 
 
 def save_model(
-    path: str | Path, config: LlamaConfig, dtype: str = "bfloat16", seed: int = 0
+    path: str | Path, config: PretrainedConfig, dtype: str = "bfloat16", seed: int = 0
 ) -> str:
-    """Write a Llama of ``config`` with seeded random weights, and a word-level tokenizer
-    over its vocabulary, to ``path``; returns ``path`` as a string."""
+    """Write a causal LM of ``config`` (a Llama, a Gemma 3, ...: its model type picks
+    the class) with seeded random weights, and a word-level tokenizer over its
+    vocabulary, to ``path``; returns ``path`` as a string."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     torch.manual_seed(seed)
-    LlamaForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(path)
+    model = AutoModelForCausalLM.from_config(config)
+    model.to(getattr(torch, dtype)).save_pretrained(path)
     vocab = {f"w{i}": i for i in range(config.vocab_size)}
     words = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     words.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -98,6 +100,10 @@ class EngineReport:
     requests: list[RequestReport]
     load_errors: int = 0
     tiers: dict[str, dict[str, int]] = field(default_factory=dict)
+    # vLLM kept its hybrid KV cache manager on (a connector that does not support it
+    # turns it off, and a model with several kinds of attention layer is then cached as
+    # one group of full attention).
+    hybrid_kv_cache_manager: bool = False
 
 
 def run_engine(spec: EngineSpec, workdir: str | Path, timeout: float = 600) -> EngineReport:
@@ -158,7 +164,10 @@ def _serve(spec: EngineSpec) -> EngineReport:
         disable_log_stats=False,  # per-request metrics: the time to first token
     )
     params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0)
-    report = EngineReport([])
+    scheduler_config = llm.llm_engine.vllm_config.scheduler_config
+    report = EngineReport(
+        [], hybrid_kv_cache_manager=not scheduler_config.disable_hybrid_kv_cache_manager
+    )
 
     def serve(prompt: list[int]) -> list[int]:
         if spec.reset_between:

@@ -14,8 +14,9 @@ Contract.
   shard of the replica (tensor x pipeline ranks: each holds its part of the block's
   KV, and a load needs them all; ranks that hold the same KV, as MLA's, store one copy
   below, so there one value under their shared key suffices), ``BlockRemoved`` when it
-  stops being so; one event per block and tier for the replica, never per rank. A spill value holds the blocks
-  of its run; a block stays held while any value covering it is there.
+  stops being so; one event per block and tier for the replica, never per rank. A
+  spill value holds the blocks of its run; a block stays held while any value covering
+  it is there.
 - Blocks carry vLLM's own block hashes (as vLLM's GPU events publish them), the parent
   hash, the token ids and the block size, so they join vLLM's GPU events. Consecutive
   blocks of one chain stored in one step go in one ``BlockStored``.

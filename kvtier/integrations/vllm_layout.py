@@ -3,12 +3,21 @@
 vLLM describes a model's KV cache in its ``KVCacheConfig``: groups of layers that share
 a block table, each with one spec (full attention, MLA, sliding window, Mamba state,
 ...), and hands each worker one tensor per layer with blocks on dim 0. kvtier caches a
-model whose KV cache is one group of full attention or MLA, stored as plain elements
-(unquantized, or fp8 with per-tensor scales, which live in the layers and not in the
-blocks). Every other model is refused when the connector is built, in both roles and
-before any request, with one sentence that names the model feature and what to change
-(``UnsupportedKVCache``): never a shape error later, never KV read back in a layout that
-did not write it.
+model whose KV cache groups are full attention, sliding windows or MLA, all with blocks
+of one shape, stored as plain elements (unquantized, or fp8 with per-tensor scales,
+which live in the layers and not in the blocks). Every other model (Mamba and
+linear-attention state among them) is refused when the connector is built, in both
+roles and before any request, with one sentence that names the model feature and what
+to change (``UnsupportedKVCache``): never a shape error later, never KV read back in a
+layout that did not write it.
+
+Groups. A kvtier block is one chain position in every group, its engine block one id
+per group (``kvtier.connector.EngineKV``): a hit restores every group at once, so a
+position is never restored in one group and not another. A sliding window's block
+table holds vLLM's null block for the positions that fell out of the window: those
+are neither saved (a position is saved only while every group holds it) nor loaded
+into (vLLM needs only the window before the hit's end). Each position keeps its KV in
+every layer, the window's included, so any block boundary is a hit for every group.
 
 Kernel blocks. An attention kernel that takes smaller blocks than vLLM's ``--block-size``
 (FlashInfer's or FlashMLA's, vLLM's CPU MLA backend's 16 tokens) sees each vLLM block as
@@ -20,18 +29,29 @@ spec's page, so any view that matches no known layout is refused too.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 import torch
+from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
     KVQuantMode,
     MLAAttentionSpec,
+    SlidingWindowSpec,
 )
 
-from kvtier.connector import EngineKV, engine_blocks, engine_layout
+from kvtier.connector import EngineKV, LayerGroup, engine_blocks, engine_layout
 from kvtier.layout import DTYPES, KVLayout
 
+# The kinds of KV cache group kvtier caches (exactly these: their subclasses keep other
+# things in their blocks, or drop tokens from them).
+CACHED_SPECS = (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec)
+# vLLM's null block: the first block of its pool, which a sliding window's block table
+# holds in place of the blocks that fell out of the window.
+NULL_BLOCK = 0
 # Quantization modes whose blocks hold the KV elements and nothing else.
 PLAIN_QUANT_MODES = (KVQuantMode.NONE, KVQuantMode.FP8_PER_TENSOR)
 
@@ -60,22 +80,12 @@ def _kind(spec: KVCacheSpec) -> str:
     return SPEC_KINDS.get(name, name)
 
 
-def cached_spec(kv_cache_config: KVCacheConfig) -> FullAttentionSpec:
-    """The spec of the model's one KV cache group, which kvtier caches; raises
-    ``UnsupportedKVCache`` for every model kvtier cannot hold (module docstring)."""
-    groups = kv_cache_config.kv_cache_groups
-    kinds = ", ".join(_kind(g.kv_cache_spec) for g in groups)
-    if len(groups) != 1:
+def _refuse_spec(spec: KVCacheSpec) -> None:
+    """``UnsupportedKVCache`` unless kvtier can hold a group of ``spec``'s blocks."""
+    if type(spec) not in CACHED_SPECS:
         raise UnsupportedKVCache(
-            f"kvtier caches models whose KV cache is one group of full-attention or MLA "
-            f"layers, and this model's has {len(groups)} ({kinds}): serve it without "
-            f"kvtier's connector."
-        )
-    spec = groups[0].kv_cache_spec
-    if type(spec) not in (FullAttentionSpec, MLAAttentionSpec):
-        raise UnsupportedKVCache(
-            f"kvtier caches full-attention and MLA KV, not {_kind(spec)}: serve this model "
-            f"without kvtier's connector."
+            f"kvtier caches full-attention, sliding-window and MLA KV, not {_kind(spec)}: "
+            f"serve this model without kvtier's connector."
         )
     if spec.kv_quant_mode not in PLAIN_QUANT_MODES:
         raise UnsupportedKVCache(
@@ -96,22 +106,81 @@ def cached_spec(kv_cache_config: KVCacheConfig) -> FullAttentionSpec:
             f"x {spec.num_kv_heads} heads x K and V of one width (or one MLA latent), as "
             f"this model's are: serve it without kvtier's connector."
         )
-    return spec
+
+
+def _page(spec: AttentionSpec) -> tuple:
+    """What makes a layer's blocks alike: tokens, heads, widths, dtype."""
+    return (spec.block_size, spec.num_kv_heads, spec.head_size, spec.head_size_v, spec.dtype)
+
+
+def cached_groups(kv_cache_config: KVCacheConfig) -> list[AttentionSpec]:
+    """The specs of the model's KV cache groups (vLLM's order), which kvtier caches
+    together: a kvtier block is one chain position in every group. Raises
+    ``UnsupportedKVCache`` for every model kvtier cannot hold (module docstring)."""
+    specs = [group.kv_cache_spec for group in kv_cache_config.kv_cache_groups]
+    for spec in specs:
+        _refuse_spec(spec)
+    if len({_page(spec) for spec in specs}) > 1:
+        kinds = ", ".join(f"{_kind(s)} of {s.num_kv_heads} x {s.head_size}" for s in specs)
+        raise UnsupportedKVCache(
+            f"kvtier caches models whose KV cache groups have blocks of one shape, and this "
+            f"model's differ ({kinds}): serve it without kvtier's connector."
+        )
+    return specs
+
+
+def windowed(specs: Sequence[AttentionSpec]) -> list[bool]:
+    """Per group, whether its block table holds the null block where a block fell out of
+    its sliding window."""
+    return [isinstance(spec, SlidingWindowSpec) for spec in specs]
+
+
+def holds_all(ids: tuple[int, ...], windowed: Sequence[bool]) -> bool:
+    """Whether every group holds this position's block (none of them is the null block
+    of a sliding window)."""
+    return not any(w and i == NULL_BLOCK for i, w in zip(ids, windowed))
+
+
+def engine_ids(blocks: Iterable[tuple[int, ...]], windowed: Sequence[bool]) -> set[int]:
+    """vLLM's block ids of ``blocks`` (one id per group each), the null block left out."""
+    return {i for ids in blocks for i, w in zip(ids, windowed) if not (w and i == NULL_BLOCK)}
+
+
+def _layer_group(spec: AttentionSpec, layers: int) -> LayerGroup:
+    """A group of ``layers`` layers of ``spec``, as kvtier's engine KV holds it."""
+    if isinstance(spec, SlidingWindowSpec):
+        return LayerGroup(f"window {spec.sliding_window}", layers, windowed=True)
+    return LayerGroup("mla" if isinstance(spec, MLAAttentionSpec) else "full", layers)
 
 
 def engine_kv(
-    kv_caches: dict[str, torch.Tensor], names: list[str], spec: FullAttentionSpec, num_blocks: int
+    kv_caches: dict[str, torch.Tensor], kv_cache_config: KVCacheConfig, specs: list[AttentionSpec]
 ) -> tuple[EngineKV, KVLayout]:
-    """vLLM's per-layer tensors ``kv_caches`` (layers ``names`` in model order), grouped
-    into ``num_blocks`` blocks of ``spec``, and their layout; ``UnsupportedKVCache`` when
-    the tensors hold anything but those blocks."""
-    mla = type(spec) is MLAAttentionSpec
+    """vLLM's per-layer tensors ``kv_caches``, group by group (``specs``, from
+    ``cached_groups``; each group's layers in model order), as ``num_blocks`` blocks of
+    one id per group, and their layout; ``UnsupportedKVCache`` when the tensors hold
+    anything but those blocks, or a layer outside every group holds KV of its own."""
+    num_blocks, spec = kv_cache_config.num_blocks, specs[0]
+    groups = [
+        sorted(g.layer_names, key=extract_layer_index) for g in kv_cache_config.kv_cache_groups
+    ]
+    names = [name for group in groups for name in group]
+    own = {kv_caches[name].data_ptr() for name in names if name in kv_caches}
+    for name in kv_caches.keys() - set(names):
+        if kv_caches[name].data_ptr() not in own:  # else it shares another layer's KV
+            raise UnsupportedKVCache(
+                f"kvtier cannot cache layer {name}, which is in none of vLLM's KV cache "
+                f"groups: serve this model without kvtier's connector."
+            )
     try:
-        kv = EngineKV([engine_blocks(kv_caches[name], num_blocks) for name in names])
+        layers = [engine_blocks(kv_caches[name], num_blocks) for name in names]
+        kinds = [_layer_group(s, len(group)) for s, group in zip(specs, groups)]
+        kv = EngineKV(layers, kinds, NULL_BLOCK)
+        mla = type(spec) is MLAAttentionSpec
         layout = engine_layout(
             kv, spec.block_size, spec.num_kv_heads, spec.head_size, kv_factor=1 if mla else 2
         )
-    except ValueError as e:
+    except (KeyError, ValueError) as e:
         raise UnsupportedKVCache(
             f"kvtier cannot address this model's KV tensors as {num_blocks} blocks of "
             f"{spec.block_size} tokens ({e}): serve it without kvtier's connector, or with "

@@ -36,6 +36,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     KVCacheGroupSpec,
     MambaSpec,
     MLAAttentionSpec,
+    SlidingWindowSpec,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
@@ -90,12 +91,13 @@ class Request:
 
 @dataclass
 class Blocks:
-    """vLLM's ``KVCacheBlocks`` / the cache manager's block table: one group."""
+    """vLLM's ``KVCacheBlocks`` / the cache manager's block table: one group's, or a
+    table per group."""
 
-    ids: list[int]
+    ids: list[int] | tuple[list[int], ...]
 
-    def get_block_ids(self, req_id: str | None = None) -> tuple[list[int]]:
-        return (self.ids,)
+    def get_block_ids(self, req_id: str | None = None) -> tuple[list[int], ...]:
+        return self.ids if isinstance(self.ids, tuple) else (self.ids,)
 
 
 @dataclass
@@ -113,9 +115,14 @@ LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 MLA_LATENT = 576  # DeepSeek's compressed KV and rope key: one "head", alike on every rank
 
 
-def _kv_cache_config(tp: int = 1, mla: bool = False) -> KVCacheConfig:
+WINDOW = 2 * BLOCK  # of the sliding-window layer of a hybrid (``window=True``)
+
+
+def _kv_cache_config(tp: int = 1, mla: bool = False, window: bool = False) -> KVCacheConfig:
     """vLLM's ``KVCacheConfig`` of the tiny model on one of ``tp`` ranks; with ``mla`` as
-    an MLA model's: every rank holds the same latent (vLLM's ``kv_tp_replicas``)."""
+    an MLA model's: every rank holds the same latent (vLLM's ``kv_tp_replicas``); with
+    ``window`` as a hybrid's under vLLM's hybrid KV cache manager: layer 0 full attention,
+    layer 1 a sliding window of ``WINDOW`` tokens, each group with its own block table."""
     if mla:
         spec = MLAAttentionSpec(
             block_size=BLOCK, num_kv_heads=1, head_size=MLA_LATENT, dtype=torch.bfloat16
@@ -123,9 +130,15 @@ def _kv_cache_config(tp: int = 1, mla: bool = False) -> KVCacheConfig:
         return KVCacheConfig(
             NUM_BLOCKS, [], [KVCacheGroupSpec(LAYER_NAMES, spec)], kv_tp_replicas=tp
         )
-    spec = FullAttentionSpec(
-        block_size=BLOCK, num_kv_heads=KV_HEADS // tp, head_size=32, dtype=torch.bfloat16
-    )
+    page = {"block_size": BLOCK, "num_kv_heads": KV_HEADS // tp, "head_size": 32}
+    spec = FullAttentionSpec(**page, dtype=torch.bfloat16)
+    if window:
+        sliding = SlidingWindowSpec(**page, dtype=torch.bfloat16, sliding_window=WINDOW)
+        groups = [
+            KVCacheGroupSpec(LAYER_NAMES[:1], spec),
+            KVCacheGroupSpec(LAYER_NAMES[1:], sliding),
+        ]
+        return KVCacheConfig(NUM_BLOCKS, [], groups)
     return KVCacheConfig(NUM_BLOCKS, [], [KVCacheGroupSpec(LAYER_NAMES, spec)])
 
 
@@ -147,8 +160,10 @@ def _kv_caches(tp: int, mla: bool) -> dict[str, torch.Tensor]:
 class Engine:
     """A scheduler-side connector and ``tp`` worker-side ones, wired as vLLM wires them."""
 
-    def __init__(self, model: str, kvtier: dict, tp: int = 1, mla: bool = False) -> None:
-        kv_cache_config = _kv_cache_config(tp, mla)
+    def __init__(
+        self, model: str, kvtier: dict, tp: int = 1, mla: bool = False, window: bool = False
+    ) -> None:
+        kv_cache_config = _kv_cache_config(tp, mla, window)
         self.workers = []  # first, as vLLM registers the KV caches before the scheduler
         for rank in range(tp):
             worker = KVTierConnector(
@@ -176,7 +191,9 @@ class Engine:
         self.scheduler.on_new_request(request)
         self.step({})
 
-    def admit(self, request: Request, table: list[int], new: bool = True) -> tuple[int, bool]:
+    def admit(
+        self, request: Request, table: list[int] | tuple[list[int], ...], new: bool = True
+    ) -> tuple[int, bool]:
         """Scheduling of a ``new`` request (else one that ``arrive``d) with vLLM's own
         hit of ``num_computed_tokens``: lookup, allocation of ``table``, and what vLLM
         was told."""
@@ -218,7 +235,7 @@ class Engine:
         self.admit(_request("other", _hashes(99, 1)), [14, 15])
         self.step({"other": BLOCK + 1})
 
-    def serve(self, request: Request, table: list[int]) -> tuple[int, bool]:
+    def serve(self, request: Request, table: list[int] | tuple[list[int], ...]) -> tuple[int, bool]:
         """Admit ``request``, run the step that computes (and saves) its prompt, and
         finish it there."""
         n, asynchronous = self.admit(request, table)
@@ -291,8 +308,10 @@ def redis_prefix(real_client):
 def engines():
     made: list[Engine] = []
 
-    def make(model: str, kvtier: dict, tp: int = 1, mla: bool = False) -> Engine:
-        made.append(Engine(model, kvtier, tp, mla))
+    def make(
+        model: str, kvtier: dict, tp: int = 1, mla: bool = False, window: bool = False
+    ) -> Engine:
+        made.append(Engine(model, kvtier, tp, mla, window))
         return made[-1]
 
     yield make
@@ -582,7 +601,7 @@ def test_a_model_kvtier_cannot_hold_is_refused_as_either_half_is_built(
 ) -> None:
     state = MambaSpec(block_size=BLOCK, shapes=((4, 8),), dtypes=(torch.bfloat16,))
     config = KVCacheConfig(NUM_BLOCKS, [], [KVCacheGroupSpec(LAYER_NAMES, state)])
-    with pytest.raises(UnsupportedKVCache, match="^kvtier caches full-attention and MLA KV, not"):
+    with pytest.raises(UnsupportedKVCache, match="^kvtier caches full-attention, sliding-window"):
         KVTierConnector(_vllm_config(tiny_model, _host_only()), role, config)
 
 
@@ -1179,3 +1198,41 @@ def test_an_mla_models_latent_is_stored_once_at_tp_2_and_every_rank_loads_it(
         for got, want in zip(reader.kv(rank, [5, 6, 7, 8]), saved, strict=True):
             assert torch.equal(got, want)
     assert [w.cache.counters()["redis"].blocks_out for w in reader.workers] == [4, 4]
+
+
+# ------------------------------------------------- hybrid: full attention and a window
+def test_a_hybrids_hit_loads_every_group_and_the_windows_null_blocks_are_left_alone(
+    tiny_model, engines
+):
+    engine = engines(tiny_model, _host_only(), window=True)
+    chain = _hashes(60, 4)
+    engine.serve(_request("a", chain), ([1, 2, 3, 4, 5], [6, 7, 8, 9, 10]))
+    full, window = engine.kv(0, [1, 2, 3, 4])[0], engine.kv(0, [6, 7, 8, 9])[1]
+    null = engine.kv(0, [0])[1]
+
+    # vLLM's table for the window holds its null block where positions fell out of it.
+    assert (
+        engine.admit(_request("b", chain), ([11, 12, 13, 14, 15], [0, 0, 1, 2, 3]))[0] == 4 * BLOCK
+    )
+    engine.step({"b": 1})
+    assert torch.equal(engine.kv(0, [11, 12, 13, 14])[0], full)
+    assert torch.equal(engine.kv(0, [1, 2])[1], window[2:])
+    assert torch.equal(engine.kv(0, [0])[1], null)
+
+
+def test_a_hybrids_positions_the_window_no_longer_holds_are_not_saved_and_the_rest_are(
+    tiny_model, engines
+):
+    engine = engines(tiny_model, _host_only(), window=True)
+    chain = _hashes(61, 4)
+    # vLLM's own hit covers positions 0-1 (computed before kvtier saw them), which its
+    # table for the window no longer holds; the step computes positions 2-3.
+    engine.serve(_request("a", chain, computed=2 * BLOCK), ([1, 2, 3, 4, 5], [0, 0, 6, 7, 8]))
+    computed = engine.kv(0, [3, 4])[0], engine.kv(0, [6, 7])[1]
+    assert engine.workers[0].cache.counters()["cpu"].blocks_in == 2  # not positions 0-1
+
+    b = _request("b", chain, computed=2 * BLOCK)  # vLLM still holds positions 0-1
+    assert engine.admit(b, ([1, 2, 9, 10, 11], [0, 0, 12, 13, 14]))[0] == 2 * BLOCK
+    engine.step({"b": 1})
+    assert torch.equal(engine.kv(0, [9, 10])[0], computed[0])
+    assert torch.equal(engine.kv(0, [12, 13])[1], computed[1])

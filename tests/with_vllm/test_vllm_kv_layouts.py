@@ -30,8 +30,9 @@ from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 from kvtier.config import parse_config  # noqa: E402
 from kvtier.connector import ConnectorCache, ConnectorHit  # noqa: E402
 from kvtier.integrations.vllm_layout import (  # noqa: E402
+    NULL_BLOCK,
     UnsupportedKVCache,
-    cached_spec,
+    cached_groups,
     engine_kv,
 )
 
@@ -66,12 +67,32 @@ def _config(*groups: tuple[list[str], object]) -> KVCacheConfig:
     return KVCacheConfig(NUM_BLOCKS, tensors, specs)
 
 
-def _views(spec, layout: KVCacheLayout, kernel_block: int) -> dict[str, torch.Tensor]:
+def _views(
+    config: KVCacheConfig, layout: KVCacheLayout, kernel_block: int
+) -> dict[str, torch.Tensor]:
     """The per-layer views a worker registers: vLLM's allocator, random KV."""
-    views = allocate_kv_cache(_config((LAYERS, spec)), torch.device("cpu"), layout, [kernel_block])
+    kernel_blocks = [kernel_block] * len(config.kv_cache_groups)
+    views = allocate_kv_cache(config, torch.device("cpu"), layout, kernel_blocks)
     for view in views.values():
         view.copy_(torch.randn(view.shape).to(view.dtype))
     return views
+
+
+def _worker(views: dict[str, torch.Tensor], config: KVCacheConfig) -> ConnectorCache:
+    """A worker's cache below ``views``, its host pool 8 blocks large."""
+    kv, layout = engine_kv(views, config, cached_groups(config))
+    tiers = {"cpu": {"capacity": 8 * layout.block_nbytes}}
+    return ConnectorCache(parse_config({"tiers": tiers}), kv, layout, "model", "rank0")
+
+
+def _round_trip(cache: ConnectorCache, saved: list[tuple], loaded: list[tuple]) -> None:
+    """Save engine blocks ``saved`` (one id per group each) as a chain, then load it
+    into ``loaded``."""
+    keys = cache.keys([i.to_bytes(16, "little") for i in range(len(saved))])
+    cache.save(saved, keys, cache.root, 0)
+    cache.pin("r", keys, cache.root, ConnectorHit(0, host_blocks=len(saved)), loaded)
+    cache.load("r")
+    assert dict(cache.finished_loads()) == {"r": []}
 
 
 # (backend, spec, physical layout, kernel block size): ratio = block_size / kernel block
@@ -88,64 +109,93 @@ BACKENDS = {
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_kernel_block_views_save_and_load_whole_vllm_blocks_bit_exact(backend: str) -> None:
     spec, layout, kernel_block = BACKENDS[backend]
-    views = _views(spec, layout, kernel_block)
+    config = _config((LAYERS, spec))
+    views = _views(config, layout, kernel_block)
     ratio = spec.block_size // kernel_block
-    kv, kv_layout = engine_kv(views, LAYERS, spec, NUM_BLOCKS)
-    assert kv_layout.block_size == spec.block_size
-    assert kv_layout.kv_factor == (1 if isinstance(spec, MLAAttentionSpec) else 2)
-    config = parse_config({"tiers": {"cpu": {"capacity": 8 * kv_layout.block_nbytes}}})
-    cache = ConnectorCache(config, kv, kv_layout, "model", "rank0")
+    saved = {name: view[: 4 * ratio].clone() for name, view in views.items()}
+    untouched = {name: view[8 * ratio :].clone() for name, view in views.items()}
+    cache = _worker(views, config)
     try:
-        keys = cache.keys([i.to_bytes(16, "little") for i in range(4)])
-        saved = {name: view[: 4 * ratio].clone() for name, view in views.items()}
-        untouched = {name: view[8 * ratio :].clone() for name, view in views.items()}
-        cache.save([0, 1, 2, 3], keys, cache.root, 0)  # vLLM blocks 0-3
-        cache.pin("r", keys, cache.root, ConnectorHit(0, host_blocks=4), [4, 5, 6, 7])
-        cache.load("r")
-        assert dict(cache.finished_loads()) == {"r": []}
-        for name, view in views.items():  # vLLM blocks 4-7 are kernel blocks 4r..8r
-            assert torch.equal(view[4 * ratio : 8 * ratio], saved[name])
-            assert torch.equal(view[8 * ratio :], untouched[name])
+        assert cache.layout.block_size == spec.block_size
+        assert cache.layout.kv_factor == (1 if isinstance(spec, MLAAttentionSpec) else 2)
+        _round_trip(cache, [(0,), (1,), (2,), (3,)], [(4,), (5,), (6,), (7,)])
     finally:
         cache.close()
+    for name, view in views.items():  # vLLM blocks 4-7 are kernel blocks 4r..8r
+        assert torch.equal(view[4 * ratio : 8 * ratio], saved[name])
+        assert torch.equal(view[8 * ratio :], untouched[name])
 
 
 def test_a_ratio_2_attention_view_is_two_kernel_blocks_of_k_and_v_not_one_mla_latent() -> None:
     spec, layout, kernel_block = BACKENDS["FlashInfer HND, ratio 2"]
-    kv, kv_layout = engine_kv(_views(spec, layout, kernel_block), LAYERS, spec, NUM_BLOCKS)
+    config = _config((LAYERS, spec))
+    kv, kv_layout = engine_kv(_views(config, layout, kernel_block), config, [spec])
     assert kv.block_shape[0] == 2  # the kernel blocks of one vLLM block
     assert (kv_layout.kv_factor, kv_layout.block_size) == (2, 64)
 
 
 def test_views_that_are_no_whole_number_of_kernel_blocks_per_block_are_refused() -> None:
     views = {name: torch.zeros(NUM_BLOCKS * 2 + 1, 2, 32, 64) for name in LAYERS}
+    config = _config((LAYERS, _attention(64)))
     with pytest.raises(UnsupportedKVCache, match=r"^kvtier cannot address .* 12 blocks of 64"):
-        engine_kv(views, LAYERS, _attention(64), NUM_BLOCKS)
+        engine_kv(views, config, cached_groups(config))
 
 
 def test_views_whose_blocks_are_not_the_specs_pages_are_refused() -> None:
     views = {name: torch.zeros(NUM_BLOCKS, 2, 32, 48, dtype=torch.bfloat16) for name in LAYERS}
+    config = _config((LAYERS, _attention(32)))
     with pytest.raises(UnsupportedKVCache, match="does not hold 32 tokens x 2 KV heads x 32"):
-        engine_kv(views, LAYERS, _attention(32), NUM_BLOCKS)
+        engine_kv(views, config, cached_groups(config))
+
+
+def test_a_layer_with_kv_of_its_own_outside_every_group_is_refused() -> None:
+    config = _config((LAYERS[:1], _attention(32)))
+    views = _views(_config((LAYERS, _attention(32))), KVCacheLayout.LBHNC, 32)
+    with pytest.raises(UnsupportedKVCache, match=f"layer {LAYERS[1]}, which is in none"):
+        engine_kv(views, config, cached_groups(config))
+
+
+def _window(block_size: int, window: int) -> SlidingWindowSpec:
+    return SlidingWindowSpec(
+        block_size=block_size,
+        num_kv_heads=2,
+        head_size=32,
+        dtype=torch.bfloat16,
+        sliding_window=window,
+    )
+
+
+def test_a_position_loads_into_every_group_and_a_windows_null_blocks_are_left_alone() -> None:
+    config = _config((LAYERS[:1], _attention(32)), (LAYERS[1:], _window(32, 64)))
+    views = _views(config, KVCacheLayout.LBHNC, 32)  # the groups overlay one buffer
+    full, window = views[LAYERS[0]], views[LAYERS[1]]
+    # Positions 0-3 computed into full-attention blocks 1-4 and window blocks 5-8; a hit
+    # of all four loads into full-attention blocks 9, 10, 11, 3 and, the 64-token window
+    # keeping the last two positions only, window blocks 2 and 4 (vLLM's null block before).
+    saved_full, saved_window = full[1:5].clone(), window[5:9].clone()
+    null = window[NULL_BLOCK].clone()
+    cache = _worker(views, config)
+    try:
+        saved = [(1, 5), (2, 6), (3, 7), (4, 8)]
+        _round_trip(cache, saved, [(9, NULL_BLOCK), (10, NULL_BLOCK), (11, 2), (3, 4)])
+    finally:
+        cache.close()
+    assert torch.equal(torch.stack([full[9], full[10], full[11], full[3]]), saved_full)
+    assert torch.equal(torch.stack([window[2], window[4]]), saved_window[2:])
+    assert torch.equal(window[NULL_BLOCK], null)
 
 
 REFUSED = {
-    "sliding window beside full attention": (
+    "Mamba state beside full attention": (
         _config(
             (LAYERS[:1], _attention(32)),
-            (
-                LAYERS[1:],
-                SlidingWindowSpec(
-                    block_size=32,
-                    num_kv_heads=2,
-                    head_size=32,
-                    dtype=torch.bfloat16,
-                    sliding_window=64,
-                ),
-            ),
+            (LAYERS[1:], MambaSpec(block_size=32, shapes=((4, 8),), dtypes=(torch.bfloat16,))),
         ),
-        "one group of full-attention or MLA layers, and this model's has 2 "
-        "(full attention, sliding-window attention)",
+        "not Mamba or linear-attention state",
+    ),
+    "groups whose blocks differ in shape": (
+        _config((LAYERS[:1], _attention(32)), (LAYERS[1:], _mla(32))),
+        "groups have blocks of one shape, and this model's differ (full attention of 2 x 32",
     ),
     "Mamba state alone": (
         _config((LAYERS, MambaSpec(block_size=32, shapes=((4, 8),), dtypes=(torch.bfloat16,)))),
@@ -177,12 +227,23 @@ REFUSED = {
 def test_a_model_kvtier_cannot_hold_is_refused_with_one_sentence(model: str) -> None:
     config, words = REFUSED[model]
     with pytest.raises(UnsupportedKVCache) as refused:
-        cached_spec(config)
+        cached_groups(config)
     message = str(refused.value)
     assert words in message
     assert message.startswith("kvtier ") and message.endswith(".") and "\n" not in message
 
 
-@pytest.mark.parametrize("spec", [_attention(32), _mla(64)], ids=["full attention", "MLA"])
-def test_one_group_of_full_attention_or_mla_is_cached(spec) -> None:
-    assert cached_spec(_config((LAYERS, spec))) is spec
+CACHED = {
+    "full attention": [(LAYERS, _attention(32))],
+    "MLA": [(LAYERS, _mla(64))],
+    "sliding window beside full attention": [
+        (LAYERS[:1], _attention(32)),
+        (LAYERS[1:], _window(32, 64)),
+    ],
+}
+
+
+@pytest.mark.parametrize("model", CACHED)
+def test_full_attention_sliding_windows_and_mla_are_cached_group_by_group(model: str) -> None:
+    groups = CACHED[model]
+    assert cached_groups(_config(*groups)) == [spec for _, spec in groups]

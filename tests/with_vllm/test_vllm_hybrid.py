@@ -1,0 +1,126 @@
+"""Hybrid models in vLLM's CPU build with kvtier: a sliding-window model cached under
+vLLM's hybrid KV cache manager, a gated-delta-net hybrid refused with one sentence.
+
+Each engine is vLLM's offline ``LLM`` in a process of its own
+(``kvtier.integrations.vllm_engine``), prefix caching on and vLLM's own cache dropped
+before every request, so that a hit can only come from kvtier; vLLM's counters of
+prompt tokens by source show where each came from. The reference is vLLM alone under
+the same settings. The model is a tiny random Gemma 3 (``conftest.tiny_gemma3``:
+sliding windows of 2 blocks beside full attention, four KV cache groups).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from conftest import VOCAB, gemma3_config
+from redis_servers import LOCAL_URL, delete_prefix, unique_prefix
+
+from kvtier.integrations.vllm_engine import (
+    BLOCK_SIZE,
+    EngineReport,
+    EngineSpec,
+    run_engine,
+    save_model,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.long, pytest.mark.timeout(900)]
+
+_rng = random.Random(7)
+DOCUMENT = [_rng.randrange(3, VOCAB) for _ in range(5 * BLOCK_SIZE)]
+# A prompt ending on a block boundary (its last block recomputed: vLLM needs the last
+# token's logits) and one a token past it (every full block a hit).
+PROMPTS = [DOCUMENT, DOCUMENT + [5]]
+SERVED = PROMPTS + PROMPTS  # each once to compute it, then again to hit it
+
+
+def _engine(model: str, tmp_path: Path, kvtier: dict | None, prompts=SERVED) -> EngineReport:
+    spec = EngineSpec(model, prompts=prompts, kvtier=kvtier, reset_between=True, max_tokens=8)
+    return run_engine(spec, tmp_path)
+
+
+def _tiers(disk: Path | None, redis_prefix: str) -> dict:
+    tiers: dict = {
+        "cpu": {"capacity": "4MiB"},
+        "redis": {"url": LOCAL_URL, "key_prefix": redis_prefix, "chunk_blocks": 1,
+                  "write_policy": "write_through"},
+    }  # fmt: skip
+    if disk is not None:
+        tiers["disk"] = {"path": str(disk), "capacity": "64MiB", "chunk_blocks": 2,
+                         "write_policy": "write_through"}  # fmt: skip
+    return {"model": "tiny-gemma3", "tiers": tiers}
+
+
+@pytest.fixture(scope="module")
+def prefix(real_client):
+    name = unique_prefix("kvtier-hybrid")
+    yield name
+    delete_prefix(real_client, name)
+
+
+@pytest.fixture(scope="module")
+def space(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("hybrid")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_gemma3, space) -> list[list[int]]:
+    return [r.tokens for r in _engine(tiny_gemma3, space / "alone", None).requests]
+
+
+@pytest.fixture(scope="module")
+def first(tiny_gemma3, space, prefix) -> EngineReport:
+    return _engine(tiny_gemma3, space / "first", _tiers(space / "lmdb", prefix))
+
+
+def test_vllm_keeps_its_hybrid_kv_cache_manager_on_with_kvtier(first):
+    assert first.hybrid_kv_cache_manager
+
+
+def test_a_sliding_window_models_host_hits_reply_as_vllm_alone(first, reference):
+    assert [r.tokens for r in first.requests] == reference
+    hits = [r.tokens_per_tier.get("cpu", 0) for r in first.requests]
+    assert hits == [0, 5 * BLOCK_SIZE, 4 * BLOCK_SIZE, 5 * BLOCK_SIZE]
+
+
+def test_after_a_restart_a_sliding_window_models_disk_hits_reply_as_vllm_alone(
+    tiny_gemma3, space, prefix, first, reference
+):
+    again = _engine(tiny_gemma3, space / "restart", _tiers(space / "lmdb", prefix), PROMPTS)
+    assert [r.tokens for r in again.requests] == reference[:2]
+    boundary, past = (r.tokens_per_tier for r in again.requests)
+    assert boundary == {"disk": 4 * BLOCK_SIZE}
+    assert sum(past.values()) == 5 * BLOCK_SIZE  # the first four now in the host pool
+
+
+def test_a_second_server_hits_what_the_first_stored_in_redis(
+    tiny_gemma3, space, prefix, first, reference
+):
+    other = _engine(tiny_gemma3, space / "second", _tiers(None, prefix), PROMPTS[::-1])
+    assert [r.tokens for r in other.requests] == reference[:2][::-1]
+    past, boundary = (r.tokens_per_tier for r in other.requests)
+    assert past == {"redis": 5 * BLOCK_SIZE}
+    assert boundary == {"cpu": 4 * BLOCK_SIZE}
+
+
+def test_a_model_of_other_groups_under_the_same_name_misses_what_the_first_stored(
+    tmp_path_factory, space, prefix, first
+):
+    layers = ["sliding_attention", "full_attention"] * 2  # two groups of two layers
+    model = save_model(tmp_path_factory.mktemp("tiny-gemma3-2x2"), gemma3_config(layers))
+    other = _engine(model, space / "other", _tiers(space / "lmdb", prefix), PROMPTS)
+    assert [r.tokens_per_tier for r in other.requests][0] == {}  # nothing below: a miss
+    assert other.load_errors == 0
+
+
+def test_a_gated_delta_net_hybrid_is_refused_at_start_up_with_one_sentence(
+    tiny_qwen3_next, space, prefix
+):
+    with pytest.raises(RuntimeError) as refused:
+        _engine(tiny_qwen3_next, space / "qwen3-next", _tiers(None, prefix), PROMPTS[:1])
+    assert (
+        "kvtier caches full-attention, sliding-window and MLA KV, not Mamba or "
+        "linear-attention state: serve this model without kvtier's connector."
+    ) in str(refused.value)
