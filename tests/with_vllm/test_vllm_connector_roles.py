@@ -1107,7 +1107,7 @@ def test_sleep_returns_once_a_spill_load_in_flight_has_copied_and_no_copy_follow
     for got, want in zip(engine.kv(0, [5, 6, 7, 8]), saved, strict=True):
         assert torch.equal(got, want)  # copied before vLLM could unmap the KV
     unmapped = engine.kv(0, list(range(NUM_BLOCKS)))
-    worker.cache.save([0, 1], worker.cache.keys(_hashes(31, 2)), worker.cache.root, 0)
+    worker.cache.save([(0,), (1,)], worker.cache.keys(_hashes(31, 2)), worker.cache.root, 0)
     assert engine.step({}) == ({"r"}, set())  # the load is reported over
     assert all(map(torch.equal, engine.kv(0, list(range(NUM_BLOCKS))), unmapped))
     assert worker.cache.counters()["cpu"].dropped == 2  # the save found no KV to copy
