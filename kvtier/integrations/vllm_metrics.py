@@ -22,15 +22,26 @@ by hook): what the connector costs the engine's step, per hook, scheduler and wo
 side alike (``benchmarks/bench_vllm_serve.py`` prints it per step). They move in every
 step, so they are handed over at most once a second (``HOOK_REPORT_PERIOD``); a step
 in which no other counter moved hands vLLM no stats at all.
+
+Under vLLM's ``MultiConnector`` the API server rebuilds each child's stats by the
+child's class name from vLLM's connector registry
+(``KVConnectorFactory.get_connector_class_by_name``), which holds only the connectors
+registered in that process, not one loaded by ``kv_connector_module_path``: an
+unregistered child's first stats end the server's output handler (every request
+fails from then on). So importing this module (the connector does, and vLLM imports
+the connector in the API server when it builds the children's Prometheus metrics)
+registers ``KVTierConnector`` under its class name.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
@@ -185,3 +196,16 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             metric = self._metrics.get(key)
             if metric is not None and (n > 0 or key == PINNED):  # a gauge goes down too
                 metric[engine_idx].inc(n / 1e6 if key.endswith(".us") else n)
+
+
+def register_connector() -> None:
+    """Register ``KVTierConnector`` in vLLM's connector registry under its class name,
+    as ``MultiConnector`` looks its stats up (module docstring); once per process."""
+    # ValueError: registered already (a second import, or vLLM's own some day).
+    with contextlib.suppress(ValueError):
+        KVConnectorFactory.register_connector(
+            "KVTierConnector", "kvtier.integrations.vllm", "KVTierConnector"
+        )
+
+
+register_connector()

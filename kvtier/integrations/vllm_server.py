@@ -26,6 +26,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvtier.progress import progress
 
@@ -64,6 +65,15 @@ class Reply:
 
     tokens: list[int]
     ttft: float
+
+
+class ReplyError(RuntimeError):
+    """A streamed completion that ended in vLLM's error object (``error``: its
+    ``message``, ``type`` and ``code``, e.g. a request vLLM failed)."""
+
+    def __init__(self, error: dict[str, Any]) -> None:
+        super().__init__(f"{error.get('type')} ({error.get('code')}): {error.get('message')}")
+        self.error = error
 
 
 def _free_port() -> int:
@@ -110,8 +120,10 @@ class VLLMServer:
             self.stop()
             raise
 
-    def complete(self, prompt: list[int], max_tokens: int = 8) -> Reply:
-        """Greedy completion of token ids ``prompt``, streamed (to time the first token)."""
+    def complete(self, prompt: list[int], max_tokens: int = 8, **fields: Any) -> Reply:
+        """Greedy completion of token ids ``prompt``, streamed (to time the first token).
+        ``fields`` go into the request as they are (``model``: a LoRA adapter's name,
+        ``cache_salt``). A reply that ends in an error raises ``ReplyError``."""
         body = {
             "model": self.model,
             "prompt": prompt,
@@ -119,6 +131,7 @@ class VLLMServer:
             "temperature": 0.0,
             "stream": True,
             "return_token_ids": True,
+            **fields,
         }
         request = urllib.request.Request(
             f"{self.url}/v1/completions",
@@ -133,7 +146,10 @@ class VLLMServer:
                 data = line.decode().strip().removeprefix("data: ")
                 if not data or data == "[DONE]":
                     continue
-                choice = json.loads(data)["choices"][0]
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise ReplyError(chunk["error"])
+                choice = chunk["choices"][0]
                 ids = choice.get("token_ids") or []
                 if ids and ttft is None:
                     ttft = time.perf_counter() - start

@@ -1,4 +1,5 @@
-"""KVTierConnector's kv_connector_extra_config: a YAML path or an inline document."""
+"""KVTierConnector's kv_connector_extra_config (a YAML path or an inline document), and
+KVTierConnector as a child of vLLM's MultiConnector."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 pytest.importorskip("vllm")
 from kvtier.config import ConfigError  # noqa: E402
 from kvtier.integrations.vllm import load_connector_config, omp_cpus  # noqa: E402
+from kvtier.integrations.vllm_metrics import FAULTS, KVTierStats  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -59,3 +61,14 @@ def test_the_cpus_vllm_binds_a_workers_compute_threads_to_are_read_from_its_vari
 )
 def test_compute_threads_vllm_did_not_bind_to_cpus_have_no_binding(environ):
     assert omp_cpus(environ) is None
+
+
+def test_multiconnector_rebuilds_kvtiers_stats_by_its_class_name():
+    """In the API server MultiConnector rebuilds each child's stats (as shipped from the
+    engine: a plain dict) through vLLM's connector registry: kvtier is registered there
+    (``vllm_metrics.register_connector``), or its first stats would end the server."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    stats = MultiConnector.build_kv_connector_stats({"KVTierConnector": {FAULTS: 1}})
+    assert isinstance(stats["KVTierConnector"], KVTierStats)
+    assert stats["KVTierConnector"].data == {FAULTS: 1}

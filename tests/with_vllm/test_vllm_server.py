@@ -24,9 +24,10 @@ import os
 import random
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 from conftest import VOCAB
@@ -47,6 +48,7 @@ TP2 = ["--tensor-parallel-size", "2"]
 TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank on a 2-core machine
 BINDING_WARNING = "kvtier: vLLM bound this worker's compute threads to every CPU"
 BLOCK = 128  # vLLM's default block size on CPU
+T = TypeVar("T")
 
 
 def _tokens(n: int, seed: int) -> list[int]:
@@ -66,19 +68,45 @@ def kv_events_args(port: int) -> list[str]:
     return ["--kv-events-config", json.dumps(events)]
 
 
-def _serve(server: VLLMServer, prompt: list[int]) -> tuple[list[int], dict[str, int]]:
-    """The reply's tokens, and the prompt tokens each source supplied for it."""
+def _cached_during(server: VLLMServer, ask: Callable[[], T]) -> tuple[T, dict[str, int]]:
+    """What ``ask()`` returns, and the prompt tokens each source supplied meanwhile."""
     before = server.cached_tokens()
-    tokens = server.complete(prompt).tokens
+    out = ask()
     after = server.cached_tokens()
-    return tokens, {s: after[s] - before[s] for s in after if after[s] > before[s]}
+    return out, {s: after[s] - before[s] for s in after if after[s] > before[s]}
 
 
-def _chat(server: VLLMServer, question: list[int]) -> tuple[list[int], dict[str, int]]:
+def _serve(
+    server: VLLMServer, prompt: list[int], **fields: Any
+) -> tuple[list[int], dict[str, int]]:
+    """The reply's tokens, and the prompt tokens each source supplied for it (``fields``:
+    ``VLLMServer.complete``'s)."""
+    return _cached_during(server, lambda: server.complete(prompt, **fields).tokens)
+
+
+def _chat(
+    server: VLLMServer, question: list[int], **fields: Any
+) -> tuple[list[int], dict[str, int]]:
     """Other traffic, then ``question``: its reply and where its prefix came from."""
     for filler in FILLERS:
         server.complete(filler, max_tokens=1)
-    return _serve(server, question)
+    return _serve(server, question, **fields)
+
+
+def corrupt_disk(store: Path, keys: Collection[bytes] | None = None) -> None:
+    """Flip the last byte of every value of the disk store at ``store`` (of ``keys`` only,
+    when given, the others deleted): each fails its checksum when read."""
+    tier = LMDBTier(store, 64 << 20, 4)
+    try:
+        stored = list(tier.keys())
+        if keys is not None:
+            tier.delete_many([k for k in stored if k not in keys])
+            stored = [k for k in stored if k in keys]
+        values: dict[bytes, bytes] = {}
+        tier.get_many(stored, lambda i, v: values.__setitem__(stored[i], bytes(v)))
+        tier.put_many([(k, v[:-1] + bytes([v[-1] ^ 0xFF])) for k, v in values.items()])
+    finally:
+        tier.close()
 
 
 class Space:
@@ -100,9 +128,13 @@ class Space:
         """Everything this space's servers logged so far."""
         return "".join(log.read_text() for log in self.disk.parent.glob("vllm-*.log"))
 
-    def server(self, model: str, args: list[str], env: dict | None = None, **kw) -> VLLMServer:
+    def server(
+        self, model: str, args: list[str], env: dict | None = None, config=CONFIG, **kw
+    ) -> VLLMServer:
+        """A server on this space (``config``: kvtier's; None when ``args`` configure
+        the connector)."""
         log = self.disk.parent / f"vllm-{len(list(self.disk.parent.glob('vllm-*.log')))}.log"
-        return VLLMServer(model, CONFIG, MACHINE + args, {**self.env(), **(env or {})}, log, **kw)
+        return VLLMServer(model, config, MACHINE + args, {**self.env(), **(env or {})}, log, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -329,15 +361,7 @@ def test_the_engine_serves_every_request_while_kvtier_fails_in_every_hook(
     save, settle, report) raises, and every value on disk is corrupt."""
     broken = space.disk.parent / "broken"
     shutil.copytree(space.disk, broken / "cache")
-    store = broken / "cache" / "vllm-lmdb"
-    tier = LMDBTier(store, 64 << 20, 4)
-    try:
-        values: dict[bytes, bytes] = {}
-        keys = list(tier.keys())
-        tier.get_many(keys, lambda i, v: values.__setitem__(keys[i], bytes(v)))
-        tier.put_many([(k, v[:-1] + bytes([v[-1] ^ 0xFF])) for k, v in values.items()])
-    finally:
-        tier.close()
+    corrupt_disk(broken / "cache" / "vllm-lmdb")
     env = {
         **space.env(),
         "KVTIER_CACHE_DIR": str(broken / "cache"),
