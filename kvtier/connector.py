@@ -577,6 +577,7 @@ class ConnectorCache:
         self._stage_yielding = False  # the stager waits in ``_read_stage`` (``stage_yielding``)
         self._saves: list[_Save] = []
         self._detached = False  # the engine's KV is unmapped (``detach``)
+        self._closed = False
         self._changes: dict[bytes, bool] = {}  # keys the host pool gained or lost
         self._origin = random.getrandbits(63)  # of its reports (``ShardReport``)
         self._reports = 0
@@ -848,6 +849,15 @@ class ConnectorCache:
                 )
             self._stats["cpu"].dropped += len(todo)
 
+    def write_tail(self, key: bytes, position: int) -> None:
+        """The chain whose last block is ``key`` (chain position ``position``) is over (its
+        request finished): its last chunk, short of a whole one, goes to the write-through
+        tiers now (``SpillManager.write_tail``), if the host pool holds it."""
+        with self._lock:
+            self._poll_saves()
+            if self.spill and self._spill_writes:
+                self.spill.write_tail(key, position)
+
     def reset(self) -> None:
         """Drop what the host pool holds (the engine's weights changed; its keys moved to
         a new key space anyway), unless a load, a copy or a write-through encode holds
@@ -938,11 +948,20 @@ class ConnectorCache:
                 return
 
     def close(self) -> None:
-        """Finish loads, copies and writes in flight, then close the tiers."""
+        """Finish loads, copies and writes in flight, write to the write-through tiers
+        what they have not taken (``SpillManager.write_unlanded``), then close the tiers.
+        Once: a later call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         self.wait_loads()
         self.finished_loads()
         self._stager.shutdown()
-        self.flush()
+        self.flush()  # every save published, every write queued so far landed
+        with self._lock:
+            if self.spill and self._spill_writes:
+                self.spill.write_unlanded()
+        self.below.flush()
         _open_in_process.pop(self._namespace, None)
         self.below.close()
         self.trace.close()

@@ -586,6 +586,41 @@ class SpillManager:
         for tiers, found in groups.values():
             self._encode_later(tiers, found)
 
+    def write_tail(self, last: bytes, position: int) -> None:
+        """Write-through: write the partial chunk that ends a chain at ``last`` (chain
+        position ``position``, in the host pool), which no later block of the chain will
+        complete (its request is over): without it, an engine started again, or another
+        one sharing the tier, would miss the chain's last blocks until the host pool
+        evicted them. Not for a tier in which ``last`` ends a full chunk (written as it
+        completed) or has landed already. Under the host pool's lock."""
+        if not self._through or self.host.lookup_each([last])[0] is None:
+            return
+        with self._lock:
+            landed = {t.name for t in self._through if last in self._landed[t.name]}
+        groups: dict[tuple[int, int], tuple[list[SpillTier], list[Chunk]]] = {}
+        for tier in self._through:
+            c = tier.chunk_blocks
+            if position % c == c - 1 or tier.name in landed:
+                continue
+            slots = self._host_run(last, position % c + 1)
+            start = position - len(slots) + 1
+            groups.setdefault((start, len(slots)), ([], [(last, start, slots)]))[0].append(tier)
+        for tiers, chunks in groups.values():
+            self._encode_later(tiers, chunks)
+
+    def write_unlanded(self) -> None:
+        """Write-through: write what the host pool holds and no write-through tier has
+        taken (chains' partial last chunks, writes that failed), as its eviction would:
+        the engine is stopping, its host pool goes with it, and an engine started again
+        is to find everything this one computed. Under the host pool's lock."""
+        if not self._through:
+            return
+        held = self.host.cached_blocks(self.host.eviction_order())
+        encoded: Encoded = {}
+        for tier in self._through:
+            unwritten = self._not_landed(tier, held)
+            self._encode_and_put(tier, self._evicted_chunks(tier, unwritten), encoded)
+
     def counters(self) -> dict[str, TierStats]:
         """A snapshot of each spill tier's counters (asks no store anything)."""
         with self._lock:

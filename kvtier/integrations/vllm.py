@@ -252,10 +252,13 @@ class KVTierMetadata(KVConnectorMetadata):
     ``stages``: reads ahead for waiting requests; ``keep``: the base keys of waiting
     requests' hits, the first in vLLM's queue first, whose host blocks are queued again
     as the newest before those reads evict; ``unstaged``: requests with a stage that
-    no longer wait (scheduled, or gone): their stages are no longer ahead of them."""
+    no longer wait (scheduled, or gone): their stages are no longer ahead of them.
+    ``tails``: the last saved block (base key, chain position) of each request that
+    finished, whose partial chunk goes to the write-through tiers after the saves."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    tails: list[tuple[bytes, int]] = field(default_factory=list)
     reset: bool = False
     idle: bool = False
     stages: list[StageSpec] = field(default_factory=list)
@@ -396,6 +399,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._waiting: dict[str, _RequestState] = {}
         self._running: set[str] = set()  # requests of the last step, unless finished since
         self._unstaged: list[str] = []
+        self._tails: list[tuple[bytes, int]] = []  # of requests finished (``KVTierMetadata``)
         # Each shard's last report applied (its origin and seq only): ``_fresh``.
         self._applied: dict[str, ShardReport] = {}
         cpu = self.config.tiers.cpu
@@ -498,13 +502,16 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     @timed
     def wait_for_save(self) -> None:
-        """Copy the blocks that became full this step into the host pool."""
+        """Copy the blocks that became full this step into the host pool, then write the
+        partial last chunks of requests that finished to the write-through tiers."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVTierMetadata)
         for spec in meta.saves:
             if spec.req_id not in self._failed_now:  # else computed from bad KV
                 self._guarded("wait_for_save", self._save, spec)
         self._failed_now.clear()
+        for key, position in meta.tails:  # after the saves: the tails are host blocks
+            self._guarded("wait_for_save", self._write_tail, key, position)
 
     @timed
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
@@ -618,6 +625,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._report_failed(spec.req_id, spec.block_ids)
         if self._async_loads.pop(spec.req_id, None) is not None:
             self._recving.add(spec.req_id)
+
+    def _write_tail(self, key: bytes, position: int) -> None:
+        self.cache.write_tail(self.cache.keys([key])[0], position)
 
     def _save(self, spec: SaveSpec) -> None:
         keys, parent = self._shard_chain(spec.keys, spec.parent)
@@ -760,8 +770,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             stages=stages,
             keep=keep,
             unstaged=self._unstaged,
+            tails=self._tails,
         )
-        self._loads, self._reset, self._unstaged = [], False, []
+        self._loads, self._reset, self._unstaged, self._tails = [], False, [], []
         self._running = set(scheduler_output.num_scheduled_tokens)
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(req_id)
@@ -813,6 +824,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._running.discard(request.request_id)
         if state is not None:
             self._unstage(state)
+            if state.saves and state.num_saved:
+                self._tails.append((state.keys[state.num_saved - 1], state.num_saved - 1))
         return False, None
 
     def request_finished_all_groups(

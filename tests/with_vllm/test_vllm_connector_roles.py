@@ -1236,3 +1236,30 @@ def test_a_hybrids_positions_the_window_no_longer_holds_are_not_saved_and_the_re
     engine.step({"b": 1})
     assert torch.equal(engine.kv(0, [9, 10])[0], computed[0])
     assert torch.equal(engine.kv(0, [12, 13])[1], computed[1])
+
+
+# ------------------------------------------------- the partial last chunk of a prefix
+def test_a_finished_requests_partial_last_chunk_is_written_through_in_the_next_step(
+    tiny_model, engines, tmp_path
+):
+    engine = engines(tiny_model, _disk(tmp_path))  # chunks of 2 blocks, written through
+    engine.serve(_request("a", _hashes(70, 3)), [0, 1, 2, 3])
+    cache = engine.workers[0].cache
+    cache.flush()
+    assert cache.counters()["disk"].blocks_in == 2  # the whole chunk, as it completed
+    engine.step({})  # the first step after "a" finished
+    cache.flush()
+    assert cache.counters()["disk"].blocks_in == 3
+
+
+def test_a_stopping_worker_writes_what_the_write_through_tiers_have_not_taken(
+    tiny_model, engines, tmp_path
+):
+    chain = _hashes(71, 3)
+    saved = _on_disk(tiny_model, engines, _disk(tmp_path), chain)  # closed right after
+    engine = engines(tiny_model, _disk(tmp_path))  # started again: its host pool empty
+    assert engine.admit(_request("b", chain), [5, 6, 7, 8]) == (3 * BLOCK, False)
+    engine.step({"b": 1})
+    assert engine.workers[0].cache.counters()["disk"].blocks_out == 3
+    for got, want in zip(engine.kv(0, [5, 6, 7]), saved, strict=True):
+        assert torch.equal(got, want)

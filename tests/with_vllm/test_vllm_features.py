@@ -22,10 +22,10 @@ that a batch of long replies outgrows it: preemption) and the ``features`` fixtu
   and v_proj, random from fixed seeds, large enough that the three models reply
   differently).
 
-Prefixes are whole chunks of the spill tiers (configs/vllm.yaml's 4 blocks): a chunk
-is written through to disk and Redis once all its blocks are in the host pool, and a
-trailing partial one only when the host pool evicts it (``kvtier.spill``), so a
-restarted or another server would not find a prefix's last 1-3 blocks.
+Prefixes are whole chunks of the spill tiers (configs/vllm.yaml's 4 blocks), which
+are written through to disk and Redis as they complete: a restarted or another server
+finds them while the first still runs (a prefix's partial last chunk is written once
+its request is over, ``test_vllm_connector_roles``).
 
 None of these changes what kvtier is asked to do for the others (vLLM's block hashes
 and its KV layout are those of every setting), so one reference server answers every
