@@ -1,4 +1,4 @@
-"""kvtier as vLLM's KV cache backend: ``KVTierConnector``, a vLLM (0.32) KV connector.
+"""kvtier as vLLM's KV cache backend: ``KVTierConnector``, a vLLM (0.32, 0.33) KV connector.
 
 vLLM keeps its GPU blocks and its prefix cache; kvtier adds the host pool and the
 spill tiers below them (``kvtier.connector``), keyed by vLLM's own chained block
@@ -31,10 +31,17 @@ tiers. A hit loads asynchronously while other requests run, its reads and copy
 overlapping their step instead of lengthening it (decode latency); with none running
 it is read and copied before the step's forward, so that the request computes in that
 step. Worker side. ``register_kv_caches`` adopts vLLM's per-layer KV tensors (blocks
-on dim 0, any strides), ``start_load_kv`` starts the loads, ``wait_for_save`` copies
-the step's new full blocks into the host pool (on CUDA on the offload stream, with
-vLLM's stream waiting on its event, so no block can be reused before it is copied:
-vLLM may free a finished request's blocks at once).
+on dim 0, any strides; every KV cache group's, ``vllm_layout``), ``start_load_kv``
+starts the loads, ``wait_for_save`` copies the step's new full blocks into the host
+pool (on CUDA on the offload stream, with vLLM's stream waiting on its event, so no
+block can be reused before it is copied: vLLM may free a finished request's blocks at
+once). ``unregister_kv_caches`` / ``restore_kv_caches`` (vLLM 0.33's sleep) wait for
+the copies in flight before vLLM unmaps its KV, and start none until it is back.
+
+Models. What the connector can hold is decided as it is built, from vLLM's
+``KVCacheConfig`` (``vllm_layout``): KV cache groups of full attention, sliding windows
+and MLA, every group at each block (it supports vLLM's hybrid KV cache manager); any
+other model is refused with one sentence before any request.
 
 Never fatal. Every hook catches what kvtier raises: it is logged (once per hook, then
 counted in ``faults``) and becomes a miss, a skipped save, or a load error for the
