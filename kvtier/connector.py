@@ -140,7 +140,9 @@ class EngineKV:
             raise ValueError(f"groups {list(groups)} do not hold the {len(layers)} layers")
         self.layers = list(layers)
         self.groups = list(groups)
+        # Each layer's group (all 0 without groups: one table of plain ids).
         self._group_of = [g for g, group in enumerate(self.groups) for _ in range(group.layers)]
+        self._group_of = self._group_of or [0] * len(self.layers)
         self._null_block = null_block
         self.device = first.device
         self.dtype = first.dtype
@@ -163,7 +165,7 @@ class EngineKV:
         """``host[slots[i], l] = layer_l[block_ids[i]]`` for every layer l (its group's id)."""
         per_group = self._per_group(block_ids, slots)
         for i, layer in enumerate(self.layers):
-            ids, to = per_group[self._group_of[i] if self._group_of else 0]
+            ids, to = per_group[self._group_of[i]]
             copy_blocks(layer, ids, host[:, i], to, non_blocking=True)
 
     def copy_from(
@@ -173,7 +175,7 @@ class EngineKV:
         unless that is the null block)."""
         per_group = self._per_group(block_ids, slots)
         for i, layer in enumerate(self.layers):
-            ids, src = per_group[self._group_of[i] if self._group_of else 0]
+            ids, src = per_group[self._group_of[i]]
             copy_blocks(host[:, i], src, layer, ids, non_blocking=True)
 
     def _per_group(
@@ -181,7 +183,7 @@ class EngineKV:
     ) -> list[tuple[list[int], list[int]]]:
         """Each group's engine ids of ``block_ids`` and their ``slots``, the null block's
         left out."""
-        if not self._group_of:
+        if not self.groups:
             return [(list(block_ids), slots)]
         out = []
         for g, group in enumerate(self.groups):
@@ -539,7 +541,7 @@ class ConnectorCache:
         self.root = namespace_root(
             f"{name}|{kv.describe()}|{keys_of or shard}", layout.fingerprint, h.salt, h.algorithm
         )
-        self._spill_writes = spill_writes
+
         self._cuda = kv.device.type == "cuda"
         self._lock = threading.RLock()
         self._namespace = spill_namespace(config, name)
@@ -554,6 +556,9 @@ class ConnectorCache:
             self.below.spill,
             self.below.transfer,
         )
+        # The spill manager this shard writes through (None: no spill tier, or a replica
+        # whose copy below another one writes).
+        self._spill_out = self.spill if spill_writes else None
         _open_in_process[self._namespace] = self.spill.tiers if self.spill else []
         record = NamespaceRecord(self._namespace, name, shard, layout, time.time())
         record_namespace(_open_in_process[self._namespace], record)
@@ -855,8 +860,8 @@ class ConnectorCache:
         tiers now (``SpillManager.write_tail``), if the host pool holds it."""
         with self._lock:
             self._poll_saves()
-            if self.spill and self._spill_writes:
-                self.spill.write_tail(key, position)
+            if self._spill_out:
+                self._spill_out.write_tail(key, position)
 
     def reset(self) -> None:
         """Drop what the host pool holds (the engine's weights changed; its keys moved to
@@ -874,17 +879,12 @@ class ConnectorCache:
         what they read stays in the host pool, as does everything below it."""
         with self._lock:
             self._detached = True
-            loads = [p for p in self._loads.values() if p.started]
-            saves = list(self._saves)
-        for p in loads:
-            if p.inline:
-                p.transfer.join()
-            else:
-                p.finished.wait()
-        for s in saves:
-            s.transfer.join()
-        with self._lock:
-            self._poll_saves()
+            loading = list(self._loads)
+            inline = [p.transfer for p in self._loads.values() if p.started and p.inline]
+        self.wait_loads(req_ids=loading)  # those on a worker
+        for transfer in inline:
+            transfer.join()
+        self._join_saves()
 
     def attach(self) -> None:
         """The engine's KV tensors are mapped again (vLLM's wake-up; the same tensors,
@@ -922,10 +922,7 @@ class ConnectorCache:
 
     def flush(self) -> None:
         """Wait for every copy and spill write in flight (tests, shutdown)."""
-        with self._lock:
-            for s in self._saves:
-                s.transfer.join()
-            self._poll_saves()
+        self._join_saves()
         self.below.flush()
 
     def wait_loads(
@@ -959,8 +956,8 @@ class ConnectorCache:
         self._stager.shutdown()
         self.flush()  # every save published, every write queued so far landed
         with self._lock:
-            if self.spill and self._spill_writes:
-                self.spill.write_unlanded()
+            if self._spill_out:
+                self._spill_out.write_unlanded()
         self.below.flush()
         _open_in_process.pop(self._namespace, None)
         self.below.close()
@@ -1121,6 +1118,13 @@ class ConnectorCache:
         else:
             self._saves.append(save)
 
+    def _join_saves(self) -> None:
+        """Wait for the copies of every save in flight, and publish them."""
+        with self._lock:
+            for s in self._saves:
+                s.transfer.join()
+            self._poll_saves()
+
     def _poll_saves(self) -> None:
         if self._saves:
             pending = []
@@ -1143,8 +1147,8 @@ class ConnectorCache:
             log.warning("kvtier: save to the host pool failed: %s", s.transfer.error)
             stats.errors += 1
         self.host.free(slots)  # in chain order: the tail is queued first, evicted first
-        if s.transfer.error is None and self.spill and self._spill_writes:
-            self.spill.on_host_publish(s.slots)
+        if s.transfer.error is None and self._spill_out:
+            self._spill_out.on_host_publish(s.slots)
 
     def _on_host_evict(self, victims: CachedBlocks) -> None:
         """Host eviction hook: the index learns the victims are gone; the spill tiers
@@ -1154,5 +1158,5 @@ class ConnectorCache:
             unused = self._staged_unused.intersection(victims.hashes)
             self._staged_unused -= unused
             self.stage_counts.evicted_unused += len(unused)
-        if self.spill and self._spill_writes:
-            self.spill.on_host_evict(victims)
+        if self._spill_out:
+            self._spill_out.on_host_evict(victims)

@@ -558,9 +558,7 @@ class SpillManager:
         encoded: Encoded = {}
         if self._back:
             self._encode_and_put(self._back, self._evicted_chunks(self._back, victims), encoded)
-        for tier in self._through:
-            unwritten = self._not_landed(tier, victims)
-            self._encode_and_put(tier, self._evicted_chunks(tier, unwritten), encoded)
+        self._put_unlanded(victims, encoded)
 
     def on_host_publish(self, blocks: CachedBlocks) -> None:
         """Write-through: write every chunk that these newly cached blocks complete, one
@@ -613,13 +611,8 @@ class SpillManager:
         taken (chains' partial last chunks, writes that failed), as its eviction would:
         the engine is stopping, its host pool goes with it, and an engine started again
         is to find everything this one computed. Under the host pool's lock."""
-        if not self._through:
-            return
-        held = self.host.cached_blocks(self.host.eviction_order())
-        encoded: Encoded = {}
-        for tier in self._through:
-            unwritten = self._not_landed(tier, held)
-            self._encode_and_put(tier, self._evicted_chunks(tier, unwritten), encoded)
+        if self._through:
+            self._put_unlanded(self.host.cached_blocks(self.host.eviction_order()), {})
 
     def counters(self) -> dict[str, TierStats]:
         """A snapshot of each spill tier's counters (asks no store anything)."""
@@ -704,6 +697,13 @@ class SpillManager:
                 self._waiting.pop(next(iter(self._waiting)))
             return None
         return tail, position - c + 1, slots
+
+    def _put_unlanded(self, blocks: CachedBlocks, encoded: Encoded) -> None:
+        """Encode now (under the caller's lock) and queue to each write-through tier the
+        chunks of ``blocks`` that did not land in it (``_not_landed``)."""
+        for tier in self._through:
+            unwritten = self._not_landed(tier, blocks)
+            self._encode_and_put(tier, self._evicted_chunks(tier, unwritten), encoded)
 
     def _evicted_chunks(self, tier: SpillTier, victims: CachedBlocks) -> list[Chunk]:
         """The runs of ``tier``'s chunk size that hold the victims: each from a chunk's
