@@ -91,9 +91,20 @@ log = logging.getLogger(__name__)
 STAGE_YIELD = 0.25  # seconds a stage's read waits at most for the loads being read
 
 
+@dataclass(frozen=True)
+class StatePiece:
+    """Piece ``index`` of the recurrent state (Mamba, linear attention) that engine blocks
+    ``ids`` (one per state group) hold after a chain position: some of the state layers'
+    bytes, packed into one host slot (``EngineKV.num_pieces`` pieces per state)."""
+
+    ids: tuple[int, ...]
+    index: int
+
+
 # An engine block of a kvtier block: its id, or one id per group where the engine's
-# layers are in groups with block tables of their own (``EngineKV``).
-BlockIds = int | tuple[int, ...]
+# layers are in groups with block tables of their own (``EngineKV``); or a piece of a
+# recurrent state.
+BlockIds = int | tuple[int, ...] | StatePiece
 
 
 @dataclass(frozen=True)
@@ -117,8 +128,17 @@ class EngineKV:
     ``null_block`` holds no KV (the block fell out of the window): a load skips that
     group's layers there, and a save is never handed one.
 
+    A model with recurrent state beside its attention (vLLM's Mamba groups) has
+    ``states`` too: one tensor per state layer, ``[num_blocks, ...]``, a block holding
+    the layer's state after some chain position; ``state_groups[i]`` is the index of
+    state layer i's block in a ``StatePiece``'s ids. The state layers' bytes are packed,
+    whole layers in order, into pieces of at most one host slot each
+    (``num_pieces``): a state is stored as that many kvtier blocks after its position
+    (``state_keys``).
+
     Copies move a batch of blocks per layer (``copy_blocks`` coalesces runs) between
-    these tensors and the host slab, viewed as ``[slots, layers, *layer block shape]``.
+    these tensors and the host slab, viewed as ``[slots, layers, *layer block shape]``
+    (a piece: as bytes).
     """
 
     def __init__(
@@ -126,6 +146,8 @@ class EngineKV:
         layers: Sequence[torch.Tensor],
         groups: Sequence[LayerGroup] = (),
         null_block: int | None = None,
+        states: Sequence[torch.Tensor] = (),
+        state_groups: Sequence[int] = (),
     ) -> None:
         if not layers:
             raise ValueError("EngineKV needs at least one layer tensor")
@@ -138,6 +160,8 @@ class EngineKV:
                 )
         if groups and sum(g.layers for g in groups) != len(layers):
             raise ValueError(f"groups {list(groups)} do not hold the {len(layers)} layers")
+        if len(state_groups) != len(states):
+            raise ValueError(f"{len(states)} state layers but {len(state_groups)} group indexes")
         self.layers = list(layers)
         self.groups = list(groups)
         # Each layer's group (all 0 without groups: one table of plain ids).
@@ -148,6 +172,22 @@ class EngineKV:
         self.dtype = first.dtype
         self.block_shape = tuple(first.shape[1:])
         self.block_numel = int(np.prod(self.block_shape))
+        # Each state layer's blocks as rows of bytes (a view: ValueError if it is none).
+        self._state_rows = [t.view(len(t), -1).view(torch.uint8) for t in states]
+        self._state_groups = list(state_groups)
+        self._pieces = _pack(
+            [len(r[0]) for r in self._state_rows], len(self.layers) * self.block_nbytes
+        )
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one layer's block."""
+        return self.block_numel * self.layers[0].element_size()
+
+    @property
+    def num_pieces(self) -> int:
+        """Host slots that one recurrent state takes (0: the engine has none)."""
+        return len(self._pieces)
 
     def describe(self) -> str:
         """The element order of one block (part of the namespace root)."""
@@ -155,6 +195,9 @@ class EngineKV:
         text = f"{len(self.layers)} layers of [{dims}] {self.dtype} on {self.device.type}"
         if len(self.groups) > 1:
             text += " in groups " + ", ".join(f"{g.kind} x{g.layers}" for g in self.groups)
+        if self._pieces:
+            sizes = "+".join(str(len(r[0])) for r in self._state_rows)
+            text += f", state of {sizes} B (groups {self._state_groups}) in {self.num_pieces}"
         return text
 
     def host_view(self, slab: torch.Tensor) -> torch.Tensor:
@@ -162,21 +205,54 @@ class EngineKV:
         return slab.view(len(slab), len(self.layers), *self.block_shape)
 
     def copy_to(self, host: torch.Tensor, block_ids: Sequence[BlockIds], slots: list[int]) -> None:
-        """``host[slots[i], l] = layer_l[block_ids[i]]`` for every layer l (its group's id)."""
-        per_group = self._per_group(block_ids, slots)
+        """``host[slots[i], l] = layer_l[block_ids[i]]`` for every layer l (its group's id);
+        a state piece's layers into its slot's bytes."""
+        (ids, to), pieces = self._split(block_ids, slots)
+        per_group = self._per_group(ids, to)
         for i, layer in enumerate(self.layers):
             ids, to = per_group[self._group_of[i]]
             copy_blocks(layer, ids, host[:, i], to, non_blocking=True)
+        for rows, ids, region, to in self._piece_copies(host, pieces):
+            copy_blocks(rows, ids, region, to, non_blocking=True)
 
     def copy_from(
         self, host: torch.Tensor, slots: list[int], block_ids: Sequence[BlockIds]
     ) -> None:
         """``layer_l[block_ids[i]] = host[slots[i], l]`` for every layer l (its group's id,
-        unless that is the null block)."""
-        per_group = self._per_group(block_ids, slots)
+        unless that is the null block); a state piece's layers from its slot's bytes."""
+        (ids, src), pieces = self._split(block_ids, slots)
+        per_group = self._per_group(ids, src)
         for i, layer in enumerate(self.layers):
             ids, src = per_group[self._group_of[i]]
             copy_blocks(host[:, i], src, layer, ids, non_blocking=True)
+        for rows, ids, region, src in self._piece_copies(host, pieces):
+            copy_blocks(region, src, rows, ids, non_blocking=True)
+
+    @staticmethod
+    def _split(
+        block_ids: Sequence[BlockIds], slots: list[int]
+    ) -> tuple[tuple[list[BlockIds], list[int]], list[tuple[StatePiece, int]]]:
+        """(chain positions' ids and slots), (state pieces with their slots)."""
+        pieces = [(b, s) for b, s in zip(block_ids, slots) if isinstance(b, StatePiece)]
+        if not pieces:
+            return (list(block_ids), slots), []
+        kept = [(b, s) for b, s in zip(block_ids, slots) if not isinstance(b, StatePiece)]
+        return ([b for b, _ in kept], [s for _, s in kept]), pieces
+
+    def _piece_copies(
+        self, host: torch.Tensor, pieces: list[tuple[StatePiece, int]]
+    ) -> Iterable[tuple[torch.Tensor, list[int], torch.Tensor, list[int]]]:
+        """Per state layer of the pieces: (its rows, engine ids, the host region that
+        holds it, slots)."""
+        if not pieces:
+            return
+        host_bytes = host.view(len(host), -1).view(torch.uint8)
+        for index, members in enumerate(self._pieces):
+            mine = [(p.ids, s) for p, s in pieces if p.index == index]
+            for layer, offset in members if mine else ():
+                rows, g = self._state_rows[layer], self._state_groups[layer]
+                region = host_bytes[:, offset : offset + rows.shape[1]]
+                yield rows, [ids[g] for ids, _ in mine], region, [s for _, s in mine]
 
     def _per_group(
         self, block_ids: Sequence[BlockIds], slots: list[int]
@@ -191,6 +267,23 @@ class EngineKV:
             pairs = [(ids[g], s) for ids, s in zip(block_ids, slots) if ids[g] != null]
             out.append(([i for i, _ in pairs], [s for _, s in pairs]))
         return out
+
+
+def _pack(sizes: Sequence[int], capacity: int) -> list[list[tuple[int, int]]]:
+    """Layers of ``sizes`` bytes, in order, as pieces of at most ``capacity`` bytes: per
+    piece, (layer, byte offset) of each layer in it. ``ValueError`` for a layer larger
+    than a piece."""
+    pieces: list[list[tuple[int, int]]] = []
+    used = capacity
+    for layer, size in enumerate(sizes):
+        if size > capacity:
+            raise ValueError(f"a state layer of {size} B does not fit a host slot of {capacity} B")
+        if used + size > capacity:
+            pieces.append([])
+            used = 0
+        pieces[-1].append((layer, used))
+        used += size
+    return pieces
 
 
 def engine_blocks(layer: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -244,14 +337,24 @@ def shard_keys(root: bytes, base_keys: Sequence[bytes], algorithm: str) -> list[
     return [digest(root + k)[:HASH_NBYTES] for k in base_keys]
 
 
+def state_keys(base_key: bytes, pieces: int, algorithm: str) -> list[bytes]:
+    """The base keys of the ``pieces`` pieces of the recurrent state after the chain
+    position of ``base_key``: blocks that continue its chain as a branch of their own
+    (``EngineKV``), so that a hit which ends there loads them after its last block."""
+    digest = get_digest(algorithm)
+    return [digest(base_key + b"state" + bytes([j]))[:HASH_NBYTES] for j in range(pieces)]
+
+
 @dataclass(frozen=True)
 class ShardSpec:
     """What a worker tells the scheduler at start-up: its shard's name (rank), the root
-    of its keys, and the size of its stored values (to read a run's length off a size)."""
+    of its keys, the size of its stored values (to read a run's length off a size), and
+    the host slots one recurrent state takes (``EngineKV.num_pieces``)."""
 
     name: str
     root: bytes
     shape: ValueShape
+    pieces: int = 0
 
 
 @dataclass
@@ -322,11 +425,14 @@ class StageCounts:
 class ConnectorHit:
     """Blocks ``[start, start + num_blocks)`` of a chain below the engine: the first
     ``host_blocks`` in every shard's host pool (as last reported), then spill runs,
-    ``spill[shard]`` being that shard's runs (all of the same length)."""
+    ``spill[shard]`` being that shard's runs (all of the same length). The last
+    ``pieces`` blocks are the pieces of the recurrent state after the chain position
+    before them (``state_keys``), the others chain positions."""
 
     start: int
     host_blocks: int = 0
     spill: dict[str, tuple[SpillRun, ...]] = field(default_factory=dict)
+    pieces: int = 0
 
     @property
     def spill_blocks(self) -> int:
@@ -336,6 +442,11 @@ class ConnectorHit:
     @property
     def num_blocks(self) -> int:
         return self.host_blocks + self.spill_blocks
+
+    @property
+    def num_positions(self) -> int:
+        """Chain positions of the hit (its blocks but a state's pieces)."""
+        return self.num_blocks - self.pieces
 
     def blocks_per_tier(self) -> dict[str, int]:
         """Hit blocks by tier name (``cpu``, then each spill tier that holds some)."""
@@ -382,6 +493,12 @@ class ConnectorIndex:
         """The base key of each engine block hash."""
         digest, root = get_digest(self._hashing.algorithm), self.root
         return [digest(root + bytes(h))[:HASH_NBYTES] for h in engine_hashes]
+
+    def state_keys(self, base_key: bytes) -> list[bytes]:
+        """The base keys of the pieces of the recurrent state after ``base_key``'s block
+        (none for a model without; ``state_keys``)."""
+        pieces = max((s.pieces for s in self.shards), default=0)
+        return state_keys(base_key, pieces, self._hashing.algorithm)
 
     def lookup(self, keys: Sequence[bytes], start: int) -> ConnectorHit:
         """The longest run of ``keys[start:]`` (base keys) that every shard can load:
@@ -592,7 +709,7 @@ class ConnectorCache:
     def spec(self) -> ShardSpec:
         """This shard, as the scheduler's index needs it."""
         shape = self.spill.shape if self.spill else ValueShape(0, self.layout.block_nbytes)
-        return ShardSpec(self.shard, self.root, shape)
+        return ShardSpec(self.shard, self.root, shape, self.kv.num_pieces)
 
     def keys(self, base_keys: Sequence[bytes]) -> list[bytes]:
         """This shard's key of each base key."""

@@ -40,8 +40,12 @@ the copies in flight before vLLM unmaps its KV, and start none until it is back.
 
 Models. What the connector can hold is decided as it is built, from vLLM's
 ``KVCacheConfig`` (``vllm_layout``): KV cache groups of full attention, sliding windows
-and MLA, every group at each block (it supports vLLM's hybrid KV cache manager); any
-other model is refused with one sentence before any request.
+and MLA, every group at each block (it supports vLLM's hybrid KV cache manager), and
+beside them Mamba state, saved where vLLM commits one (``boundary_state_offloads``)
+and loaded at the end of a hit; any other model is refused with one sentence before
+any request. With several groups every load is asynchronous and a failed one is
+reported by request (``get_transfer_results``): vLLM stops the engine on failed block
+ids it cannot map to one request.
 
 Never fatal. Every hook catches what kvtier raises: it is logged (once per hook, then
 counted in ``faults``) and becomes a miss, a skipped save, or a load error for the
@@ -78,7 +82,7 @@ import re
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -87,6 +91,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
@@ -101,18 +106,22 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.config import KVTierConfig, load_config, parse_config
 from kvtier.connector import (
+    BlockIds,
     ConnectorCache,
     ConnectorHit,
     ConnectorIndex,
     ShardReport,
     ShardSpec,
+    StatePiece,
 )
 from kvtier.integrations.vllm_events import TierEvents, events_enabled, to_vllm
 from kvtier.integrations.vllm_layout import (
+    attention_groups,
     cached_groups,
     engine_ids,
     engine_kv,
     holds_all,
+    state_groups,
     windowed,
 )
 from kvtier.integrations.vllm_metrics import (
@@ -222,7 +231,7 @@ class LoadSpec:
     hit: ConnectorHit | None
     keys: list[bytes]
     parent: bytes | None
-    block_ids: list[int]
+    block_ids: list[BlockIds]
     asynchronous: bool
 
 
@@ -232,7 +241,7 @@ class SaveSpec:
     one's parent ``parent``, None for block 0) into the host pool."""
 
     req_id: str
-    block_ids: list[int]
+    block_ids: list[BlockIds]
     keys: list[bytes]
     parent: bytes | None
     start: int
@@ -305,6 +314,9 @@ class _RequestState:
     held: list[bytes] = field(default_factory=list)  # base keys of its hit as of that look
     stage_blocks: int = 0  # blocks of its last stage (in the host pools once it is over)
     last_lookup: _Lookup | None = None  # reused for ``LOOKUP_REUSE`` seconds
+    # (last base key, chain position) of each state it saved: their partial chunks
+    # go to the write-through tiers once it finishes, as its chain's does.
+    state_tails: list[tuple[bytes, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -386,7 +398,13 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 f"{hash_block} != block_size {cache_config.block_size}"
             )
         self._groups = cached_groups(kv_cache_config)  # refuses what kvtier cannot hold
-        self._windowed = windowed(self._groups)
+        self._attention_groups = attention_groups(self._groups)  # a position's blocks
+        self._state_groups = state_groups(self._groups)  # a state's blocks
+        self._windowed = windowed([self._groups[g] for g in self._attention_groups])
+        # vLLM maps load errors reported by block back to requests only for one group (for
+        # more it stops the engine): a hybrid's loads are all asynchronous, and a failed
+        # one is reported by request, so that vLLM recomputes it (``failed_recving``).
+        self._by_request = len(self._groups) > 1
         self.config = load_connector_config(self._kv_transfer_config.kv_connector_extra_config)
         self.block_size = cache_config.block_size
         model = self.config.model
@@ -418,6 +436,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._async_loads: dict[str, list[int]] = {}  # started, not yet reported: blocks
         self._recving: set[str] = set()  # async loads over, not yet told to vLLM
         self._load_errors: set[int] = set()
+        self._failed_requests: set[str] = set()  # whose load failed, for ``_by_request``
         self.num_load_errors = 0  # blocks reported to vLLM as not loaded, in all
         self._failed_now: set[str] = set()  # requests whose sync load failed this step
         # kvtier's tiers as KV events (scheduler side), only with --kv-events-config.
@@ -544,6 +563,13 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             self.trace.event("load_reported", req_id)
         return set(), recving
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """``get_finished``'s requests, and of them those whose load failed, where load
+        errors are reported by request (``_by_request``); vLLM recomputes them."""
+        _, recving = self.get_finished(finished_req_ids)
+        failed, self._failed_requests = self._failed_requests, set()
+        return KVConnectorTransferResults(finished_recving=recving, failed_recving=failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         """vLLM blocks that did not load since the last call; vLLM recomputes them."""
         errors, self._load_errors = self._load_errors, set()
@@ -662,9 +688,12 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             elif failed:
                 self._report_failed(req_id, failed)
 
-    def _report_failed(self, req_id: str, blocks: list[tuple[int, ...]]) -> None:
+    def _report_failed(self, req_id: str, blocks: list[BlockIds]) -> None:
         if blocks:
-            self._load_errors.update(engine_ids(blocks, self._windowed))
+            if self._by_request:
+                self._failed_requests.add(req_id)
+            else:
+                self._load_errors.update(engine_ids(blocks, self._windowed))
             self.num_load_errors += len(blocks)
             self._failed_now.add(req_id)
 
@@ -717,18 +746,19 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             blocks = hit.blocks_per_tier() if hit else {}
             seconds = time.time() - start
             self.trace.event("lookup", request.request_id, start, seconds=seconds, blocks=blocks)
-        if hit is None or not hit.num_blocks:
+        if hit is None or not hit.num_positions:
             return 0, False
         # Async only while others run: then the load's copy (and reads) overlap their
         # step instead of lengthening it. With none running the load delays nothing but
         # its own request, which computes in this very step instead of a later one.
+        # Always where a failed load can only be reported by request (``_by_request``).
         others_run = bool(self._running.difference((request.request_id,)))
-        state.hit, state.asynchronous = hit, others_run
+        state.hit, state.asynchronous = hit, others_run or self._by_request
         if self._staging and hit.spill:  # staged at the step's end unless vLLM runs it now
             self._waiting.setdefault(request.request_id, state)
             if state.stage_due == math.inf:  # its last look for a stage found no hit
                 state.stage_due = 0.0
-        return hit.num_blocks * self.block_size, state.asynchronous
+        return hit.num_positions * self.block_size, state.asynchronous
 
     @timed
     def update_state_after_alloc(
@@ -741,9 +771,17 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._unstage(state)
         if not num_external_tokens or hit is None:
             return
-        hit = hit.truncated(num_external_tokens // self.block_size)
-        targets = _positions(blocks.get_block_ids(), hit.start, hit.start + hit.num_blocks)
-        spec = self._guarded("update_state_after_alloc", self._load_spec, state, hit, targets)
+        accepted, tables = num_external_tokens // self.block_size, blocks.get_block_ids()
+        targets = self._targets(tables, hit.start, hit.start + accepted)
+        if not hit.pieces:
+            hit = hit.truncated(accepted)
+        elif accepted == hit.num_positions:
+            targets += self._pieces(tables, hit.start + accepted - 1, hit.pieces)
+        else:  # vLLM took fewer blocks than the hit: kvtier holds no state after them
+            hit = None
+        spec = None
+        if hit is not None:
+            spec = self._guarded("update_state_after_alloc", self._load_spec, state, hit, targets)
         if spec is None:  # the workers must still hear of it: as blocks not loaded
             spec = LoadSpec(request.request_id, None, [], None, targets, state.asynchronous)
         self._loads.append(spec)
@@ -790,6 +828,12 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             if state is not None and state.saves:
                 saves = self._guarded("build_connector_meta", self._save_specs, state, num_new)
                 meta.saves.extend(saves or ())
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        for req_id, offers in block_state.boundary_state_offloads.items() if block_state else ():
+            state = self._requests.get(req_id)
+            if self._state_groups and state is not None and state.saves:
+                saves = self._guarded("build_connector_meta", self._state_saves, state, offers)
+                meta.saves.extend(saves or ())
         return meta
 
     @timed
@@ -809,11 +853,12 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                     if req_id in self._requests:
                         self._requests[req_id].staging.discard(shard)
         invalid = connector_output.invalid_block_ids
+        failed = connector_output.failed_recving
         done = connector_output.finished_recving or ()
         for state in self._requests.values():
             if not state.loading:
                 continue
-            if state.loading & invalid:
+            if state.loading & invalid or state.request.request_id in failed:
                 state.failed = True
             if state.request.request_id in done or not state.asynchronous:
                 state.loading = set()
@@ -833,6 +878,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             self._unstage(state)
             if state.saves and state.num_saved:
                 self._tails.append((state.keys[state.num_saved - 1], state.num_saved - 1))
+                self._tails.extend(state.state_tails)
         return False, None
 
     def request_finished_all_groups(
@@ -893,12 +939,44 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             last
             and (last.start, last.wanted) == (start, wanted)
             and now - last.at < LOOKUP_REUSE
-            and self.index.holds(keys[start : start + last.hit.host_blocks])
+            and self.index.holds(self._hit_keys(state, last.hit)[: last.hit.host_blocks])
         ):
             return last.hit
         hit = self.index.lookup(keys[:wanted], start)
+        if self._state_groups:
+            hit = self._state_hit(keys, hit)
         state.last_lookup = _Lookup(now, start, wanted, hit)
         return hit
+
+    def _state_hit(self, keys: list[bytes], hit: ConnectorHit) -> ConnectorHit:
+        """The longest part of ``hit`` (the blocks of ``keys`` past ``hit.start``) that
+        ends at a position whose state every shard can load, with that state's pieces;
+        a hit of nothing where no position of it has one. A position's pieces are
+        looked up alone first: most positions have none (vLLM keeps few states)."""
+        for end in range(hit.start + hit.num_blocks, hit.start, -1):
+            chain = [*keys[:end], *self.index.state_keys(keys[end - 1])]
+            if self.index.lookup(chain, end).num_blocks < len(chain) - end:
+                continue
+            found = self.index.lookup(chain, hit.start)
+            if found.num_blocks == len(chain) - hit.start:
+                return replace(found, pieces=len(chain) - end)
+        return ConnectorHit(hit.start)
+
+    def _hit_keys(self, state: _RequestState, hit: ConnectorHit) -> list[bytes]:
+        """The base keys of ``hit``'s blocks: its chain positions', then its state's."""
+        keys = self._keys(state)
+        end = hit.start + hit.num_positions
+        return keys[hit.start : end] + (self.index.state_keys(keys[end - 1]) if hit.pieces else [])
+
+    def _targets(self, tables: Sequence[list[int]], start: int, end: int) -> list[BlockIds]:
+        """The vLLM blocks of chain positions ``start..end``: one id per attention group."""
+        return list(_positions([tables[g] for g in self._attention_groups], start, end))
+
+    def _pieces(self, tables: Sequence[list[int]], position: int, n: int) -> list[BlockIds]:
+        """The ``n`` pieces of the state that the state groups' blocks hold after
+        ``position``."""
+        ids = tuple(tables[g][position] for g in self._state_groups)
+        return [StatePiece(ids, j) for j in range(n)]
 
     def _plan_stages(self) -> tuple[list[StageSpec], list[list[bytes]]]:
         """The stages of the waiting requests due for one, and the keys of their hits to
@@ -940,21 +1018,21 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if hit is None or not hit.num_blocks:
             state.stage_due, state.held = math.inf, []
             return None
-        keys = self._keys(state)
-        state.held = keys[hit.start : hit.start + hit.num_blocks]
+        state.held = self._hit_keys(state, hit)
         if not hit.spill_blocks:
             return None
         state.hit = state.last_lookup = None  # staged once: a later lookup gives a new hit
+        keys = self._keys(state)[: hit.start] + state.held  # the chain the hit ends
         start = hit.start + hit.host_blocks
         parent = keys[start - 1] if start else None
-        spill = ConnectorHit(start, 0, hit.spill)
+        spill = ConnectorHit(start, 0, hit.spill, pieces=hit.pieces)
         req_id = state.request.request_id
         state.staging = {shard.name for shard in self.index.shards}
         state.staged_at = time.monotonic()
         state.stage_blocks = spill.num_blocks
         if self.trace:
             self.trace.event("stage_planned", req_id, blocks=spill.num_blocks)
-        self._note(state, start, start + spill.num_blocks)
+        self._note(state, start, hit.start + hit.num_positions)
         return StageSpec(req_id, spill, keys[start : start + spill.num_blocks], parent)
 
     def _unstage(self, state: _RequestState) -> None:
@@ -969,13 +1047,13 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def _load_spec(
         self, state: _RequestState, hit: ConnectorHit, targets: list[tuple[int, ...]]
     ) -> LoadSpec:
-        keys = self._keys(state)
-        start, end = hit.start, hit.start + hit.num_blocks
-        state.loaded = hit.blocks_per_tier()
-        self._note(state, start, end)
-        parent = keys[start - 1] if start else None
+        start = hit.start
+        state.loaded = hit.truncated(hit.num_positions).blocks_per_tier()
+        self._note(state, start, start + hit.num_positions)
+        parent = self._keys(state)[start - 1] if start else None
         req_id = state.request.request_id
-        return LoadSpec(req_id, hit, keys[start:end], parent, targets, state.asynchronous)
+        keys = self._hit_keys(state, hit)
+        return LoadSpec(req_id, hit, keys, parent, targets, state.asynchronous)
 
     def _save_specs(self, state: _RequestState, num_new: int) -> list[SaveSpec]:
         """The saves of the blocks that become full this step: a run of positions per
@@ -991,7 +1069,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             return []
         keys = self._keys(state)
         start = state.num_saved
-        table = _positions(self._kv_cache_manager.get_block_ids(request.request_id), start, full)
+        table = self._targets(self._kv_cache_manager.get_block_ids(request.request_id), start, full)
         state.num_saved = full
         self._note(state, start, full)
         specs, first = [], start
@@ -1002,6 +1080,30 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                     ids = table[first - start : i - start]
                     specs.append(SaveSpec(request.request_id, ids, keys[first:i], parent, first))
                 first = i + 1
+        return specs
+
+    def _state_saves(
+        self, state: _RequestState, offers: list[tuple[int, int, int]]
+    ) -> list[SaveSpec]:
+        """The saves of the states vLLM committed for the request this step (``offers``:
+        (group, vLLM block, tokens before the state)): each whole-block position's, as
+        its pieces after that position's block; a partial block's state has no key."""
+        by_tokens: dict[int, dict[int, int]] = {}
+        for group, block, tokens in offers:
+            by_tokens.setdefault(tokens, {})[group] = block
+        keys, specs = self._keys(state), []
+        for tokens, blocks in sorted(by_tokens.items()):
+            position = tokens // self.block_size - 1
+            if tokens % self.block_size or set(blocks) != set(self._state_groups):
+                continue
+            if not 0 <= position < min(state.num_saved, len(keys)):
+                continue  # its block is not saved: the state would never be a hit
+            pieces = self.index.state_keys(keys[position])
+            ids = tuple(blocks[g] for g in self._state_groups)
+            block_ids: list[BlockIds] = [StatePiece(ids, j) for j in range(len(pieces))]
+            req_id = state.request.request_id
+            specs.append(SaveSpec(req_id, block_ids, pieces, keys[position], position + 1))
+            state.state_tails.append((pieces[-1], position + len(pieces)))
         return specs
 
     def _note(self, state: _RequestState, start: int, end: int) -> None:

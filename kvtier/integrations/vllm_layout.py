@@ -3,13 +3,14 @@
 vLLM describes a model's KV cache in its ``KVCacheConfig``: groups of layers that share
 a block table, each with one spec (full attention, MLA, sliding window, Mamba state,
 ...), and hands each worker one tensor per layer with blocks on dim 0. kvtier caches a
-model whose KV cache groups are full attention, sliding windows or MLA, all with blocks
+model whose attention groups are full attention, sliding windows or MLA, all with blocks
 of one shape, stored as plain elements (unquantized, or fp8 with per-tensor scales,
-which live in the layers and not in the blocks). Every other model (Mamba and
-linear-attention state among them) is refused when the connector is built, in both
-roles and before any request, with one sentence that names the model feature and what
-to change (``UnsupportedKVCache``): never a shape error later, never KV read back in a
-layout that did not write it.
+which live in the layers and not in the blocks), beside which it may have Mamba or
+linear-attention state kept as vLLM's prefix caching keeps it (``mamba_cache_mode``
+'align'). Every other model is refused when the connector is built, in both roles and
+before any request, with one sentence that names the model feature and what to change
+(``UnsupportedKVCache``): never a shape error later, never KV read back in a layout that
+did not write it.
 
 Groups. A kvtier block is one chain position in every group, its engine block one id
 per group (``kvtier.connector.EngineKV``): a hit restores every group at once, so a
@@ -18,6 +19,13 @@ table holds vLLM's null block for the positions that fell out of the window: tho
 are neither saved (a position is saved only while every group holds it) nor loaded
 into (vLLM needs only the window before the hit's end). Each position keeps its KV in
 every layer, the window's included, so any block boundary is a hit for every group.
+
+State. A Mamba group's block holds the layer's state after one position, and vLLM keeps
+it only at some positions (where a prefill chunk or a decoded block ended): it hands
+the connector those it commits (``boundary_state_offloads``). kvtier stores each as a
+few blocks of their own after that position's block (``kvtier.connector.StatePiece``),
+and a hit ends only at a position whose state it holds: attention KV is never restored
+without the state after it, nor a state without the KV before it.
 
 Kernel blocks. An attention kernel that takes smaller blocks than vLLM's ``--block-size``
 (FlashInfer's or FlashMLA's, vLLM's CPU MLA backend's 16 tokens) sees each vLLM block as
@@ -39,11 +47,12 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheSpec,
     KVQuantMode,
+    MambaSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
 
-from kvtier.connector import EngineKV, LayerGroup, engine_blocks, engine_layout
+from kvtier.connector import EngineKV, LayerGroup, StatePiece, engine_blocks, engine_layout
 from kvtier.layout import DTYPES, KVLayout
 
 # The kinds of KV cache group kvtier caches (exactly these: their subclasses keep other
@@ -80,12 +89,30 @@ def _kind(spec: KVCacheSpec) -> str:
     return SPEC_KINDS.get(name, name)
 
 
+def _refuse_state(spec: MambaSpec) -> None:
+    """``UnsupportedKVCache`` unless kvtier can hold the states of a Mamba group."""
+    if spec.mamba_cache_mode != "align":
+        raise UnsupportedKVCache(
+            f"kvtier caches Mamba and linear-attention state as vLLM's prefix caching keeps "
+            f"it with mamba_cache_mode 'align', not '{spec.mamba_cache_mode}': serve this "
+            f"model with --mamba-cache-mode align, or without kvtier's connector."
+        )
+    if spec.num_speculative_blocks:
+        raise UnsupportedKVCache(
+            "kvtier does not cache Mamba or linear-attention state beside the extra state "
+            "blocks of speculative decoding: serve this model without speculative "
+            "decoding, or without kvtier's connector."
+        )
+
+
 def _refuse_spec(spec: KVCacheSpec) -> None:
     """``UnsupportedKVCache`` unless kvtier can hold a group of ``spec``'s blocks."""
+    if type(spec) is MambaSpec:
+        return _refuse_state(spec)
     if type(spec) not in CACHED_SPECS:
         raise UnsupportedKVCache(
-            f"kvtier caches full-attention, sliding-window and MLA KV, not {_kind(spec)}: "
-            f"serve this model without kvtier's connector."
+            f"kvtier caches full-attention, sliding-window and MLA KV and Mamba state, not "
+            f"{_kind(spec)}: serve this model without kvtier's connector."
         )
     if spec.kv_quant_mode not in PLAIN_QUANT_MODES:
         raise UnsupportedKVCache(
@@ -113,20 +140,37 @@ def _page(spec: AttentionSpec) -> tuple:
     return (spec.block_size, spec.num_kv_heads, spec.head_size, spec.head_size_v, spec.dtype)
 
 
-def cached_groups(kv_cache_config: KVCacheConfig) -> list[AttentionSpec]:
+def cached_groups(kv_cache_config: KVCacheConfig) -> list[KVCacheSpec]:
     """The specs of the model's KV cache groups (vLLM's order), which kvtier caches
-    together: a kvtier block is one chain position in every group. Raises
-    ``UnsupportedKVCache`` for every model kvtier cannot hold (module docstring)."""
+    together: a kvtier block is one chain position in every attention group, and a state
+    holds the state groups' blocks after one. Raises ``UnsupportedKVCache`` for every
+    model kvtier cannot hold (module docstring)."""
     specs = [group.kv_cache_spec for group in kv_cache_config.kv_cache_groups]
     for spec in specs:
         _refuse_spec(spec)
-    if len({_page(spec) for spec in specs}) > 1:
-        kinds = ", ".join(f"{_kind(s)} of {s.num_kv_heads} x {s.head_size}" for s in specs)
+    attention = [specs[i] for i in attention_groups(specs)]
+    if not attention:
         raise UnsupportedKVCache(
-            f"kvtier caches models whose KV cache groups have blocks of one shape, and this "
+            "kvtier caches Mamba and linear-attention state beside attention layers, not a "
+            "model of state layers alone: serve it without kvtier's connector."
+        )
+    if len({_page(spec) for spec in attention}) > 1:
+        kinds = ", ".join(f"{_kind(s)} of {s.num_kv_heads} x {s.head_size}" for s in attention)
+        raise UnsupportedKVCache(
+            f"kvtier caches models whose attention groups have blocks of one shape, and this "
             f"model's differ ({kinds}): serve it without kvtier's connector."
         )
     return specs
+
+
+def attention_groups(specs: Sequence[KVCacheSpec]) -> list[int]:
+    """The indexes of the attention groups (a kvtier block's positions), in order."""
+    return [i for i, spec in enumerate(specs) if type(spec) is not MambaSpec]
+
+
+def state_groups(specs: Sequence[KVCacheSpec]) -> list[int]:
+    """The indexes of the Mamba groups (a state's blocks), in order."""
+    return [i for i, spec in enumerate(specs) if type(spec) is MambaSpec]
 
 
 def windowed(specs: Sequence[AttentionSpec]) -> list[bool]:
@@ -141,9 +185,18 @@ def holds_all(ids: tuple[int, ...], windowed: Sequence[bool]) -> bool:
     return not any(w and i == NULL_BLOCK for i, w in zip(ids, windowed))
 
 
-def engine_ids(blocks: Iterable[tuple[int, ...]], windowed: Sequence[bool]) -> set[int]:
-    """vLLM's block ids of ``blocks`` (one id per group each), the null block left out."""
-    return {i for ids in blocks for i, w in zip(ids, windowed) if not (w and i == NULL_BLOCK)}
+def engine_ids(
+    blocks: Iterable[tuple[int, ...] | StatePiece], windowed: Sequence[bool]
+) -> set[int]:
+    """vLLM's block ids of ``blocks`` (one id per attention group each, or a state's
+    pieces), the null block of a window left out."""
+    out: set[int] = set()
+    for ids in blocks:
+        if isinstance(ids, StatePiece):
+            out.update(ids.ids)
+        else:
+            out.update(i for i, w in zip(ids, windowed) if not (w and i == NULL_BLOCK))
+    return out
 
 
 def _layer_group(spec: AttentionSpec, layers: int) -> LayerGroup:
@@ -153,14 +206,24 @@ def _layer_group(spec: AttentionSpec, layers: int) -> LayerGroup:
     return LayerGroup("mla" if isinstance(spec, MLAAttentionSpec) else "full", layers)
 
 
+def _state_layer(tensor: torch.Tensor, spec: MambaSpec, num_blocks: int) -> torch.Tensor:
+    """A Mamba layer's tensor as ``num_blocks`` blocks, each exactly its state's bytes."""
+    layer = engine_blocks(tensor, num_blocks)
+    nbytes = layer[0].numel() * layer.element_size()
+    if nbytes != spec.state_content_size_bytes:
+        raise ValueError(f"a state block of {nbytes} B is not a state of {spec.shapes}")
+    return layer
+
+
 def engine_kv(
-    kv_caches: dict[str, torch.Tensor], kv_cache_config: KVCacheConfig, specs: list[AttentionSpec]
+    kv_caches: dict[str, torch.Tensor], kv_cache_config: KVCacheConfig, specs: list[KVCacheSpec]
 ) -> tuple[EngineKV, KVLayout]:
     """vLLM's per-layer tensors ``kv_caches``, group by group (``specs``, from
     ``cached_groups``; each group's layers in model order), as ``num_blocks`` blocks of
-    one id per group, and their layout; ``UnsupportedKVCache`` when the tensors hold
-    anything but those blocks, or a layer outside every group holds KV of its own."""
-    num_blocks, spec = kv_cache_config.num_blocks, specs[0]
+    one id per attention group and the state layers of the Mamba groups, and their
+    layout; ``UnsupportedKVCache`` when the tensors hold anything but those blocks, or a
+    layer outside every group holds KV of its own."""
+    num_blocks = kv_cache_config.num_blocks
     groups = [
         sorted(g.layer_names, key=extract_layer_index) for g in kv_cache_config.kv_cache_groups
     ]
@@ -172,10 +235,16 @@ def engine_kv(
                 f"kvtier cannot cache layer {name}, which is in none of vLLM's KV cache "
                 f"groups: serve this model without kvtier's connector."
             )
+    attention, state = attention_groups(specs), state_groups(specs)
+    spec = specs[attention[0]]
     try:
-        layers = [engine_blocks(kv_caches[name], num_blocks) for name in names]
-        kinds = [_layer_group(s, len(group)) for s, group in zip(specs, groups)]
-        kv = EngineKV(layers, kinds, NULL_BLOCK)
+        layers = [engine_blocks(kv_caches[n], num_blocks) for g in attention for n in groups[g]]
+        states = [
+            _state_layer(kv_caches[n], specs[g], num_blocks) for g in state for n in groups[g]
+        ]
+        kinds = [_layer_group(specs[g], len(groups[g])) for g in attention]
+        of = [k for k, g in enumerate(state) for _ in groups[g]]
+        kv = EngineKV(layers, kinds, NULL_BLOCK, states, of)
         mla = type(spec) is MLAAttentionSpec
         layout = engine_layout(
             kv, spec.block_size, spec.num_kv_heads, spec.head_size, kv_factor=1 if mla else 2

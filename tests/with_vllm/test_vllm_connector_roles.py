@@ -101,8 +101,17 @@ class Blocks:
 
 
 @dataclass
+class BlockState:
+    """vLLM's ``KVConnectorBlockState``: the states it committed this step, by request:
+    (group, block, tokens before the state)."""
+
+    boundary_state_offloads: dict[str, list[tuple[int, int, int]]]
+
+
+@dataclass
 class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    kv_connector_block_state: BlockState | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -116,13 +125,17 @@ MLA_LATENT = 576  # DeepSeek's compressed KV and rope key: one "head", alike on 
 
 
 WINDOW = 2 * BLOCK  # of the sliding-window layer of a hybrid (``window=True``)
+STATE_BYTES = 6000  # of the state layer of a hybrid (``state=True``)
 
 
-def _kv_cache_config(tp: int = 1, mla: bool = False, window: bool = False) -> KVCacheConfig:
+def _kv_cache_config(
+    tp: int = 1, mla: bool = False, window: bool = False, state: bool = False
+) -> KVCacheConfig:
     """vLLM's ``KVCacheConfig`` of the tiny model on one of ``tp`` ranks; with ``mla`` as
     an MLA model's: every rank holds the same latent (vLLM's ``kv_tp_replicas``); with
-    ``window`` as a hybrid's under vLLM's hybrid KV cache manager: layer 0 full attention,
-    layer 1 a sliding window of ``WINDOW`` tokens, each group with its own block table."""
+    ``window`` or ``state`` as a hybrid's under vLLM's hybrid KV cache manager: layer 0
+    full attention, layer 1 a sliding window of ``WINDOW`` tokens or a Mamba layer's
+    state of ``STATE_BYTES``, each group with its own block table."""
     if mla:
         spec = MLAAttentionSpec(
             block_size=BLOCK, num_kv_heads=1, head_size=MLA_LATENT, dtype=torch.bfloat16
@@ -132,20 +145,25 @@ def _kv_cache_config(tp: int = 1, mla: bool = False, window: bool = False) -> KV
         )
     page = {"block_size": BLOCK, "num_kv_heads": KV_HEADS // tp, "head_size": 32}
     spec = FullAttentionSpec(**page, dtype=torch.bfloat16)
-    if window:
-        sliding = SlidingWindowSpec(**page, dtype=torch.bfloat16, sliding_window=WINDOW)
+    if window or state:
+        other = (
+            SlidingWindowSpec(**page, dtype=torch.bfloat16, sliding_window=WINDOW)
+            if window
+            else MambaSpec(BLOCK, ((STATE_BYTES,),), (torch.int8,), mamba_cache_mode="align")
+        )
         groups = [
             KVCacheGroupSpec(LAYER_NAMES[:1], spec),
-            KVCacheGroupSpec(LAYER_NAMES[1:], sliding),
+            KVCacheGroupSpec(LAYER_NAMES[1:], other),
         ]
         return KVCacheConfig(NUM_BLOCKS, [], groups)
     return KVCacheConfig(NUM_BLOCKS, [], [KVCacheGroupSpec(LAYER_NAMES, spec)])
 
 
-def _kv_caches(tp: int, mla: bool) -> dict[str, torch.Tensor]:
+def _kv_caches(tp: int, mla: bool, state: bool) -> dict[str, torch.Tensor]:
     """A worker's KV tensors as vLLM's CPU backends view them: ``[blocks, kv_heads,
     block_size, 2 * head_size]`` of random KV, or MLA's ``[blocks, 1, block_size,
-    latent]``, the same on every rank."""
+    latent]``, the same on every rank; with ``state``, layer 1 a Mamba layer's random
+    state bytes."""
     if mla:
         seeds = [torch.Generator().manual_seed(i) for i in range(LAYERS)]
         shape = (NUM_BLOCKS, 1, BLOCK, MLA_LATENT)
@@ -154,22 +172,35 @@ def _kv_caches(tp: int, mla: bool) -> dict[str, torch.Tensor]:
             for name, g in zip(LAYER_NAMES, seeds)
         }
     shape = (NUM_BLOCKS, KV_HEADS // tp, BLOCK, 64)
-    return {name: torch.randn(shape, dtype=torch.bfloat16) for name in LAYER_NAMES}
+    kv = {name: torch.randn(shape, dtype=torch.bfloat16) for name in LAYER_NAMES}
+    if state:
+        kv[LAYER_NAMES[1]] = torch.randint(-128, 128, (NUM_BLOCKS, 1, 1, STATE_BYTES)).to(
+            torch.int8
+        )
+    return kv
 
 
 class Engine:
     """A scheduler-side connector and ``tp`` worker-side ones, wired as vLLM wires them."""
 
     def __init__(
-        self, model: str, kvtier: dict, tp: int = 1, mla: bool = False, window: bool = False
+        self,
+        model: str,
+        kvtier: dict,
+        tp: int = 1,
+        mla: bool = False,
+        window: bool = False,
+        state: bool = False,
     ) -> None:
-        kv_cache_config = _kv_cache_config(tp, mla, window)
+        kv_cache_config = _kv_cache_config(tp, mla, window, state)
         self.workers = []  # first, as vLLM registers the KV caches before the scheduler
+        self.registered: list[dict[str, torch.Tensor]] = []  # each worker's KV tensors
         for rank in range(tp):
             worker = KVTierConnector(
                 _vllm_config(model, kvtier, tp, rank), KVConnectorRole.WORKER, kv_cache_config
             )
-            worker.register_kv_caches(_kv_caches(tp, mla))
+            self.registered.append(_kv_caches(tp, mla, state))
+            worker.register_kv_caches(self.registered[-1])
             self.workers.append(worker)
         self.scheduler = KVTierConnector(
             _vllm_config(model, kvtier, tp), KVConnectorRole.SCHEDULER, kv_cache_config
@@ -182,6 +213,7 @@ class Engine:
         # vLLM's own merge of the workers' outputs: a load is over once every rank has
         # reported it, in whichever steps they did.
         self.aggregator = KVOutputAggregator(tp)
+        self.failed: set[str] = set()  # requests whose load failed, as vLLM was told
 
     def get_block_ids(self, req_id: str) -> tuple[list[int]]:
         return self.tables[req_id].get_block_ids()
@@ -207,26 +239,32 @@ class Engine:
         request.num_computed_tokens += n
         return n, asynchronous
 
-    def step(self, scheduled: dict[str, int]) -> tuple[set[str], set[int]]:
-        """One engine step: metadata to every worker, their hooks around the forward,
-        their outputs merged by vLLM's aggregator; returns (loads over on every rank,
-        failed blocks)."""
-        meta = self.scheduler.build_connector_meta(SchedulerOutput(scheduled))
+    def step(
+        self, scheduled: dict[str, int], states: dict[str, list[tuple[int, int, int]]] | None = None
+    ) -> tuple[set[str], set[int]]:
+        """One engine step (committing ``states``, as vLLM's ``boundary_state_offloads``):
+        metadata to every worker, their hooks around the forward, their outputs merged by
+        vLLM's aggregator; returns (loads over on every rank, failed blocks), and keeps
+        the requests whose load failed in ``failed``."""
+        block_state = BlockState(states) if states else None
+        meta = self.scheduler.build_connector_meta(SchedulerOutput(scheduled, block_state))
         outputs = []
         for worker in self.workers:
             worker.bind_connector_metadata(meta)
             worker.start_load_kv(None)
             worker.wait_for_save()
-            _, done = worker.get_finished(set())
+            results = worker.get_transfer_results(set())
             output = KVConnectorOutput(
-                finished_recving=done,
+                finished_recving=results.finished_recving,
                 invalid_block_ids=worker.get_block_ids_with_load_errors(),
+                failed_recving=results.failed_recving,
                 kv_connector_worker_meta=worker.build_connector_worker_meta(),
             )
             outputs.append(ModelRunnerOutput([], {}, kv_connector_output=output))
             worker.clear_connector_metadata()
         output = self.aggregator.aggregate(outputs).kv_connector_output
         self.scheduler.update_connector_output(output)
+        self.failed |= output.failed_recving
         return output.finished_recving or set(), output.invalid_block_ids
 
     def run_another(self) -> None:
@@ -256,7 +294,7 @@ class Engine:
         return done | more_done, errors | more_errors
 
     def kv(self, rank: int, ids: list[int]) -> list[torch.Tensor]:
-        return [layer[ids].clone() for layer in self.workers[rank].cache.kv.layers]
+        return [self.registered[rank][name][ids].clone() for name in LAYER_NAMES]
 
     def close(self) -> None:
         for connector in [*self.workers, self.scheduler]:
@@ -308,10 +346,9 @@ def redis_prefix(real_client):
 def engines():
     made: list[Engine] = []
 
-    def make(
-        model: str, kvtier: dict, tp: int = 1, mla: bool = False, window: bool = False
-    ) -> Engine:
-        made.append(Engine(model, kvtier, tp, mla, window))
+    def make(model: str, kvtier: dict, **options: int | bool) -> Engine:
+        """An ``Engine`` (its ``options``: tp, mla, window, state), closed after the test."""
+        made.append(Engine(model, kvtier, **options))
         return made[-1]
 
     yield make
@@ -601,7 +638,7 @@ def test_a_model_kvtier_cannot_hold_is_refused_as_either_half_is_built(
 ) -> None:
     state = MambaSpec(block_size=BLOCK, shapes=((4, 8),), dtypes=(torch.bfloat16,))
     config = KVCacheConfig(NUM_BLOCKS, [], [KVCacheGroupSpec(LAYER_NAMES, state)])
-    with pytest.raises(UnsupportedKVCache, match="^kvtier caches full-attention, sliding-window"):
+    with pytest.raises(UnsupportedKVCache, match="^kvtier caches Mamba and linear-attention"):
         KVTierConnector(_vllm_config(tiny_model, _host_only()), role, config)
 
 
@@ -1211,10 +1248,9 @@ def test_a_hybrids_hit_loads_every_group_and_the_windows_null_blocks_are_left_al
     null = engine.kv(0, [0])[1]
 
     # vLLM's table for the window holds its null block where positions fell out of it.
-    assert (
-        engine.admit(_request("b", chain), ([11, 12, 13, 14, 15], [0, 0, 1, 2, 3]))[0] == 4 * BLOCK
-    )
-    engine.step({"b": 1})
+    b = _request("b", chain)
+    assert engine.admit(b, ([11, 12, 13, 14, 15], [0, 0, 1, 2, 3])) == (4 * BLOCK, True)
+    engine.load()
     assert torch.equal(engine.kv(0, [11, 12, 13, 14])[0], full)
     assert torch.equal(engine.kv(0, [1, 2])[1], window[2:])
     assert torch.equal(engine.kv(0, [0])[1], null)
@@ -1233,9 +1269,63 @@ def test_a_hybrids_positions_the_window_no_longer_holds_are_not_saved_and_the_re
 
     b = _request("b", chain, computed=2 * BLOCK)  # vLLM still holds positions 0-1
     assert engine.admit(b, ([1, 2, 9, 10, 11], [0, 0, 12, 13, 14]))[0] == 2 * BLOCK
-    engine.step({"b": 1})
+    engine.load()
     assert torch.equal(engine.kv(0, [9, 10])[0], computed[0])
     assert torch.equal(engine.kv(0, [12, 13])[1], computed[1])
+
+
+def test_a_hybrids_failed_load_is_reported_by_request_for_vllm_to_recompute(tiny_model, engines):
+    # vLLM cannot map a failed block back to its request where block ids repeat across
+    # KV cache groups (it stops the engine): the request is named instead.
+    engine = engines(tiny_model, _host_only(), window=True)
+    chain = _hashes(62, 2)
+    engine.serve(_request("a", chain), ([1, 2, 3], [4, 5, 6]))
+    assert engine.admit(_request("b", chain), ([7, 8, 9], [10, 11, 12])) == (2 * BLOCK, True)
+    engine.workers[0].cache.reset()  # gone from the host pool before the load starts
+    done, errors = engine.load()
+    assert (done, errors, engine.failed) == ({"b"}, set(), {"b"})
+
+
+# ------------------------------------------- a hybrid's Mamba state (``state=True``)
+def _serve_with_state(engine: Engine, request: Request, table: tuple, states: dict) -> None:
+    """Serve ``request`` in one step that commits ``states`` (position: the state
+    group's block that holds the state after it)."""
+    engine.admit(request, table)
+    offers = [(1, block, (position + 1) * BLOCK) for position, block in states.items()]
+    engine.step({request.request_id: request.num_tokens}, {request.request_id: offers})
+    request.num_computed_tokens = request.num_tokens
+    engine.scheduler.request_finished_all_groups(request, table)
+
+
+def test_a_hybrids_hit_ends_at_the_last_position_whose_state_it_holds(tiny_model, engines):
+    engine = engines(tiny_model, _host_only(), state=True)
+    chain = _hashes(63, 4)
+    _serve_with_state(engine, _request("a", chain), ([1, 2, 3, 4, 5], [0, 6, 0, 0, 7]), {1: 6})
+    full, state = engine.kv(0, [1, 2])[0], engine.kv(0, [6])[1]
+
+    # vLLM gives the hit's last position a block of the state group: the state goes there.
+    b = _request("b", chain)
+    assert engine.admit(b, ([8, 9, 10, 11, 12], [0, 13, 14, 0, 0])) == (2 * BLOCK, True)
+    assert engine.load()[1] == set() and not engine.failed
+    assert torch.equal(engine.kv(0, [8, 9])[0], full)
+    assert torch.equal(engine.kv(0, [13])[1], state)
+
+
+def test_a_hybrids_positions_with_no_state_after_them_are_no_hit(tiny_model, engines):
+    engine = engines(tiny_model, _host_only(), state=True)
+    chain = _hashes(64, 4)
+    _serve_with_state(engine, _request("a", chain), ([1, 2, 3, 4, 5], [0, 0, 0, 0, 6]), {})
+    assert engine.workers[0].cache.counters()["cpu"].blocks_in == 4  # the KV is there
+    assert engine.admit(_request("b", chain), ([7, 8, 9, 10, 11], [0, 0, 0, 0, 12]))[0] == 0
+
+
+def test_a_state_of_a_partial_block_is_not_saved(tiny_model, engines):
+    engine = engines(tiny_model, _host_only(), state=True)
+    request = _request("a", _hashes(65, 2))
+    engine.admit(request, ([1, 2, 3], [0, 0, 4]))
+    offers = {"a": [(1, 4, 2 * BLOCK + 1)]}  # after the prompt's last token
+    engine.step({"a": request.num_tokens}, offers)
+    assert engine.workers[0].cache.counters()["cpu"].blocks_in == 2  # the positions' KV only
 
 
 # ------------------------------------------------- the partial last chunk of a prefix

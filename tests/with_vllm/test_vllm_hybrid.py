@@ -1,12 +1,15 @@
-"""Hybrid models in vLLM's CPU build with kvtier: a sliding-window model cached under
-vLLM's hybrid KV cache manager, a gated-delta-net hybrid refused with one sentence.
+"""Hybrid models in vLLM's CPU build with kvtier, under vLLM's hybrid KV cache manager:
+a sliding-window model, and a gated-delta-net hybrid whose linear-attention state is
+cached beside its attention KV.
 
 Each engine is vLLM's offline ``LLM`` in a process of its own
 (``kvtier.integrations.vllm_engine``), prefix caching on and vLLM's own cache dropped
 before every request, so that a hit can only come from kvtier; vLLM's counters of
 prompt tokens by source show where each came from. The reference is vLLM alone under
-the same settings. The model is a tiny random Gemma 3 (``conftest.tiny_gemma3``:
-sliding windows of 2 blocks beside full attention, four KV cache groups).
+the same settings. The models are a tiny random Gemma 3 (``conftest.tiny_gemma3``:
+sliding windows of 2 blocks beside full attention, four KV cache groups) and a tiny
+random Qwen3-Next (``conftest.tiny_qwen3_next``: three gated-delta-net layers, each a
+group of Mamba state, before a full-attention one).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def _engine(model: str, tmp_path: Path, kvtier: dict | None, prompts=SERVED) -> 
     return run_engine(spec, tmp_path)
 
 
-def _tiers(disk: Path | None, redis_prefix: str) -> dict:
+def _tiers(disk: Path | None, redis_prefix: str, model: str = "tiny-gemma3") -> dict:
     tiers: dict = {
         "cpu": {"capacity": "4MiB"},
         "redis": {"url": LOCAL_URL, "key_prefix": redis_prefix, "chunk_blocks": 1,
@@ -50,7 +53,7 @@ def _tiers(disk: Path | None, redis_prefix: str) -> dict:
     if disk is not None:
         tiers["disk"] = {"path": str(disk), "capacity": "64MiB", "chunk_blocks": 2,
                          "write_policy": "write_through"}  # fmt: skip
-    return {"model": "tiny-gemma3", "tiers": tiers}
+    return {"model": model, "tiers": tiers}
 
 
 @pytest.fixture(scope="module")
@@ -115,12 +118,62 @@ def test_a_model_of_other_groups_under_the_same_name_misses_what_the_first_store
     assert other.load_errors == 0
 
 
-def test_a_gated_delta_net_hybrid_is_refused_at_start_up_with_one_sentence(
-    tiny_qwen3_next, space, prefix
+# vLLM makes this model's block 288 tokens (every group's page as large as a state's).
+STATE_BLOCK = 288
+STATE_DOCUMENT = [_rng.randrange(3, VOCAB) for _ in range(4 * STATE_BLOCK)]
+# On a block boundary, and a token past it.
+STATE_PROMPTS = [STATE_DOCUMENT, STATE_DOCUMENT + [5]]
+
+
+def _states(disk: Path | None, redis_prefix: str) -> dict:
+    return _tiers(disk, redis_prefix, model="tiny-qwen3-next")
+
+
+@pytest.fixture(scope="module")
+def state_reference(tiny_qwen3_next, space) -> list[list[int]]:
+    served = STATE_PROMPTS * 2
+    return [r.tokens for r in _engine(tiny_qwen3_next, space / "q-alone", None, served).requests]
+
+
+@pytest.fixture(scope="module")
+def state_first(tiny_qwen3_next, space, prefix) -> EngineReport:
+    tiers = _states(space / "q-lmdb", prefix)
+    return _engine(tiny_qwen3_next, space / "q-first", tiers, STATE_PROMPTS * 2)
+
+
+def test_a_gated_delta_net_hybrid_starts_with_kvtier_and_its_host_hits_reply_as_vllm_alone(
+    state_first, state_reference
 ):
-    with pytest.raises(RuntimeError) as refused:
-        _engine(tiny_qwen3_next, space / "qwen3-next", _tiers(None, prefix), PROMPTS[:1])
-    assert (
-        "kvtier caches full-attention, sliding-window and MLA KV, not Mamba or "
-        "linear-attention state: serve this model without kvtier's connector."
-    ) in str(refused.value)
+    assert state_first.hybrid_kv_cache_manager
+    assert [r.tokens for r in state_first.requests] == state_reference
+    # vLLM keeps a state where a prefill chunk ended: 3 blocks into the boundary prompt
+    # (its last token is computed on its own), 4 into the other once it was served.
+    hits = [r.tokens_per_tier for r in state_first.requests]
+    assert hits == [
+        {},
+        {"cpu": 3 * STATE_BLOCK},
+        {"cpu": 3 * STATE_BLOCK},
+        {"cpu": 4 * STATE_BLOCK},
+    ]
+    assert state_first.load_errors == 0
+
+
+def test_after_a_restart_a_gated_delta_net_hybrids_disk_hits_reply_as_vllm_alone(
+    tiny_qwen3_next, space, prefix, state_first, state_reference
+):
+    tiers = _states(space / "q-lmdb", prefix)
+    again = _engine(tiny_qwen3_next, space / "q-restart", tiers, STATE_PROMPTS[::-1])
+    assert [r.tokens for r in again.requests] == state_reference[:2][::-1]
+    past, boundary = (r.tokens_per_tier for r in again.requests)
+    assert past == {"disk": 4 * STATE_BLOCK}
+    assert boundary == {"cpu": 3 * STATE_BLOCK}  # read from disk by the first one
+
+
+def test_a_second_server_hits_the_state_the_first_stored_in_redis(
+    tiny_qwen3_next, space, prefix, state_first, state_reference
+):
+    other = _engine(tiny_qwen3_next, space / "q-second", _states(None, prefix), STATE_PROMPTS[::-1])
+    assert [r.tokens for r in other.requests] == state_reference[:2][::-1]
+    past, boundary = (r.tokens_per_tier for r in other.requests)
+    assert past == {"redis": 4 * STATE_BLOCK}
+    assert boundary == {"cpu": 3 * STATE_BLOCK}

@@ -28,7 +28,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
 from kvtier.config import parse_config  # noqa: E402
-from kvtier.connector import ConnectorCache, ConnectorHit  # noqa: E402
+from kvtier.connector import ConnectorCache, ConnectorHit, StatePiece  # noqa: E402
 from kvtier.integrations.vllm_layout import (  # noqa: E402
     NULL_BLOCK,
     UnsupportedKVCache,
@@ -185,21 +185,31 @@ def test_a_position_loads_into_every_group_and_a_windows_null_blocks_are_left_al
     assert torch.equal(window[NULL_BLOCK], null)
 
 
+def _state(**kw) -> MambaSpec:  # a gated delta net's conv and recurrent state
+    shapes, dtypes = ((3, 64), (2, 16, 32)), (torch.bfloat16, torch.float32)
+    page = _attention(32).page_size_bytes  # vLLM pads every group's page to one size
+    return MambaSpec(block_size=32, shapes=shapes, dtypes=dtypes, page_size_padded=page, **kw)
+
+
 REFUSED = {
-    "Mamba state beside full attention": (
+    "Mamba state kept without prefix caching": (
+        _config((LAYERS[:1], _attention(32)), (LAYERS[1:], _state())),
+        "mamba_cache_mode 'align', not 'none'",
+    ),
+    "Mamba state beside speculative decoding's state blocks": (
         _config(
             (LAYERS[:1], _attention(32)),
-            (LAYERS[1:], MambaSpec(block_size=32, shapes=((4, 8),), dtypes=(torch.bfloat16,))),
+            (LAYERS[1:], _state(mamba_cache_mode="align", num_speculative_blocks=1)),
         ),
-        "not Mamba or linear-attention state",
+        "beside the extra state blocks of speculative decoding",
     ),
     "groups whose blocks differ in shape": (
         _config((LAYERS[:1], _attention(32)), (LAYERS[1:], _mla(32))),
         "groups have blocks of one shape, and this model's differ (full attention of 2 x 32",
     ),
     "Mamba state alone": (
-        _config((LAYERS, MambaSpec(block_size=32, shapes=((4, 8),), dtypes=(torch.bfloat16,)))),
-        "not Mamba or linear-attention state",
+        _config((LAYERS, _state(mamba_cache_mode="align"))),
+        "not a model of state layers alone",
     ),
     "attention sinks": (
         _config(
@@ -247,3 +257,33 @@ CACHED = {
 def test_full_attention_sliding_windows_and_mla_are_cached_group_by_group(model: str) -> None:
     groups = CACHED[model]
     assert cached_groups(_config(*groups)) == [spec for _, spec in groups]
+
+
+def test_a_positions_kv_and_the_state_after_it_load_bit_exact_into_other_blocks() -> None:
+    linear = ["model.layers.0.linear_attn", "model.layers.1.linear_attn"]
+    state = _state(mamba_cache_mode="align")
+    config = _config(
+        (linear[:1], state),
+        (linear[1:], state),
+        (["model.layers.2.self_attn.attn"], _attention(32)),
+    )
+    views = _views(config, KVCacheLayout.LBHNC, 32)
+    full = views["model.layers.2.self_attn.attn"]
+    before = {name: view.clone() for name, view in views.items()}
+    cache = _worker(views, config)
+    try:
+        pieces = cache.kv.num_pieces
+        assert pieces == 2  # two layers' state of 4480 B each, slots of 8192 B
+        # Positions 0-1 in attention blocks 1-2, the state after position 1 in the state
+        # groups' blocks 3 and 4; loaded into blocks 5-6, and 7 and 8.
+        saved = [(1,), (2,), *(StatePiece((3, 4), j) for j in range(pieces))]
+        loaded = [(5,), (6,), *(StatePiece((7, 8), j) for j in range(pieces))]
+        _round_trip(cache, saved, loaded)
+    finally:
+        cache.close()
+    assert torch.equal(full[5:7], before["model.layers.2.self_attn.attn"][1:3])
+    assert torch.equal(views[linear[0]][7], before[linear[0]][3])
+    assert torch.equal(views[linear[1]][8], before[linear[1]][4])
+    untouched = [b for b in range(NUM_BLOCKS) if b not in (5, 6, 7, 8)]
+    for name, view in views.items():
+        assert torch.equal(view[untouched], before[name][untouched])
