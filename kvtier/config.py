@@ -27,6 +27,7 @@ import yaml
 from kvtier.layout import DTYPES, KVLayout
 
 HashAlgorithm = Literal["xxh3_128", "sha256"]
+EngineReset = Literal["new_keys", "keep"]
 HostWritePolicy = Literal["on_evict", "eager"]
 SpillWritePolicy = Literal["write_back", "write_through"]
 CertReqs = Literal["required", "optional", "none"]
@@ -60,10 +61,16 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class HashingConfig:
-    """How block hashes are computed. Changing either field changes every key."""
+    """How block hashes are computed. Changing ``algorithm`` or ``salt`` changes every
+    key. ``on_engine_reset``: what an engine's reset of its connector does (vLLM's
+    ``reset_prefix_cache(reset_connector=True)``, which it sends after a weight update,
+    and on sleep and ``pause_generation(clear_cache=True)`` alike): ``new_keys`` moves to
+    a new key space, so nothing stored before is read again; ``keep`` changes nothing,
+    for deployments whose resets never change the weights (sleep to share a GPU)."""
 
     algorithm: HashAlgorithm = "xxh3_128"
     salt: str = ""
+    on_engine_reset: EngineReset = "new_keys"
 
 
 @dataclass(frozen=True)
@@ -619,6 +626,9 @@ def _read_hashing(sec: _Section) -> HashingConfig:
     return HashingConfig(
         algorithm=sec.get("algorithm", _choice(get_args(HashAlgorithm)), d.algorithm),
         salt=sec.get("salt", _str, d.salt),
+        on_engine_reset=sec.get(
+            "on_engine_reset", _choice(get_args(EngineReset)), d.on_engine_reset
+        ),
     )
 
 

@@ -467,6 +467,11 @@ def test_error_unknown_hashing_algorithm() -> None:
     assert_names(error, "hashing.algorithm", "'md5'", "one of 'xxh3_128', 'sha256'")
 
 
+def test_error_unknown_engine_reset() -> None:
+    error = config_error({"hashing": {"on_engine_reset": "drop"}})
+    assert_names(error, "hashing.on_engine_reset", "'drop'", "one of 'new_keys', 'keep'")
+
+
 @pytest.mark.parametrize("tier", ["gpu", "cpu", "disk"])
 def test_error_unknown_eviction_policy_names_the_tiers_key(tier: str) -> None:
     error = config_error({"tiers": {tier: {"eviction": "lfu"}}})

@@ -900,7 +900,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         ``reset_prefix_cache(reset_connector=True)``, e.g. after a weight update): keys
         move to a new key space, the workers drop their host pools, and requests alive
         now are never saved again, since their KV may have been computed with the old
-        weights."""
+        weights. With ``hashing.on_engine_reset: keep`` (the weights never change across
+        a reset) nothing changes."""
+        if self.config.hashing.on_engine_reset == "keep":
+            return True
         self.index.reset()
         if self.events is not None:
             self._guarded("take_events", self.events.reset)

@@ -572,6 +572,17 @@ def test_reset_cache_leaves_nothing_stored_before_it_to_be_found(tiny_model, eng
         engine.scheduler.index.keys(chain)))) == 0  # fmt: skip
 
 
+def test_a_reset_keeps_what_was_stored_where_resets_keep_the_weights(tiny_model, engines, tmp_path):
+    config = {**_disk(tmp_path), "hashing": {"on_engine_reset": "keep"}}
+    engine = engines(tiny_model, config)
+    chain = _hashes(7, 2)
+    engine.serve(_request("old", chain), [0, 1, 2])
+
+    assert engine.scheduler.reset_cache()  # vLLM's sleep
+    engine.step({})
+    assert engine.admit(_request("after", chain), [6, 7, 8]) == (2 * BLOCK, False)
+
+
 class Boom(RuntimeError):
     pass
 
@@ -717,7 +728,7 @@ def test_host_slots_a_load_holds_are_reported_pinned_until_it_is_over(
 
 def _on_disk(tiny_model, engines, config: dict, chain: list[bytes], tp: int = 1) -> list:
     """Store ``chain`` below a first engine and close it; returns its blocks' KV (rank 0)."""
-    writer = engines(tiny_model, config, tp)
+    writer = engines(tiny_model, config, tp=tp)
     writer.serve(_request("w", chain), list(range(len(chain) + 1)))
     saved = writer.kv(0, list(range(len(chain))))
     writer.close()
