@@ -527,6 +527,25 @@ class ConnectorIndex:
         per_shard = [shard_keys(s.root, keys, self._hashing.algorithm) for s in self.shards]
         return bool(self.shards) and self._host_run(per_shard) == len(keys)
 
+    def holds_each(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per base key, whether every shard can load its block from its host pool (as
+        last reported) or from a spill value stored under its key (the value a chain
+        that ends at that block is stored under): one size query per tier for all."""
+        alg, n = self._hashing.algorithm, len(keys)
+        per_shard = [shard_keys(s.root, keys, alg) for s in self.shards]
+        held = [[k in self._held[s.name] for k in ks] for s, ks in zip(self.shards, per_shard)]
+        ask = [k for ks in per_shard for k in ks]
+        for tier in self.tiers if ask else ():
+            try:
+                sizes = tier.sizes_many(ask)
+            except Exception as e:  # a tier that fails is a miss
+                self._error(tier.name, e)
+                continue
+            self._queued_sizes(tier, ask, sizes)
+            for s, shard in enumerate(held):
+                shard[:] = [h or size > 0 for h, size in zip(shard, sizes[s * n : (s + 1) * n])]
+        return [bool(self.shards) and all(shard[j] for shard in held) for j in range(n)]
+
     def _host_run(self, per_shard: list[list[bytes]]) -> int:
         """How many leading keys every shard's host pool holds (each shard's keys)."""
         held = [self._held[s.name] for s in self.shards]

@@ -954,15 +954,19 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def _state_hit(self, keys: list[bytes], hit: ConnectorHit) -> ConnectorHit:
         """The longest part of ``hit`` (the blocks of ``keys`` past ``hit.start``) that
         ends at a position whose state every shard can load, with that state's pieces;
-        a hit of nothing where no position of it has one. A position's pieces are
-        looked up alone first: most positions have none (vLLM keeps few states)."""
-        for end in range(hit.start + hit.num_blocks, hit.start, -1):
-            chain = [*keys[:end], *self.index.state_keys(keys[end - 1])]
-            if self.index.lookup(chain, end).num_blocks < len(chain) - end:
+        a hit of nothing where no position of it has one. vLLM keeps few states: the
+        last piece of every position's is looked for at once (one size query per spill
+        tier), and only the positions found are looked up whole, the last first."""
+        ends = range(hit.start + hit.num_blocks, hit.start, -1)
+        pieces = [self.index.state_keys(keys[end - 1]) for end in ends]
+        found = self.index.holds_each([p[-1] for p in pieces])
+        for end, state, held in zip(ends, pieces, found):
+            if not held:
                 continue
-            found = self.index.lookup(chain, hit.start)
-            if found.num_blocks == len(chain) - hit.start:
-                return replace(found, pieces=len(chain) - end)
+            chain = [*keys[:end], *state]
+            whole = self.index.lookup(chain, hit.start)
+            if whole.num_blocks == len(chain) - hit.start:
+                return replace(whole, pieces=len(state))
         return ConnectorHit(hit.start)
 
     def _hit_keys(self, state: _RequestState, hit: ConnectorHit) -> list[bytes]:

@@ -1164,11 +1164,14 @@ def test_sleep_returns_once_a_spill_load_in_flight_has_copied_and_no_copy_follow
 def test_after_wake_up_a_hit_loads_from_the_host_pool_kept_through_sleep(
     tiny_model, engines, tmp_path
 ):
-    engine = engines(tiny_model, _disk(tmp_path))
+    # vLLM 0.33's sleep: its reset of the connector (kept: the weights do not change),
+    # the KV unmapped; then mapped again, and the handshake repeated.
+    engine = engines(tiny_model, {**_disk(tmp_path), "hashing": {"on_engine_reset": "keep"}})
     chain = _hashes(32, 4)
     engine.serve(_request("a", chain), [0, 1, 2, 3, 4])
     saved = engine.kv(0, [0, 1, 2, 3])
     worker = engine.workers[0]
+    assert engine.scheduler.reset_cache()
     worker.unregister_kv_caches()
     for layer in worker.cache.kv.layers:  # the KV's contents are lost in sleep
         layer.zero_()
@@ -1328,6 +1331,23 @@ def test_a_hybrids_positions_with_no_state_after_them_are_no_hit(tiny_model, eng
     _serve_with_state(engine, _request("a", chain), ([1, 2, 3, 4, 5], [0, 0, 0, 0, 6]), {})
     assert engine.workers[0].cache.counters()["cpu"].blocks_in == 4  # the KV is there
     assert engine.admit(_request("b", chain), ([7, 8, 9, 10, 11], [0, 0, 0, 0, 12]))[0] == 0
+
+
+def test_a_hybrids_lookup_asks_each_spill_tier_once_for_the_states_of_all_positions(
+    tiny_model, engines, tmp_path, monkeypatch
+):
+    chain = _hashes(66, 8)
+    writer = engines(tiny_model, _disk(tmp_path), state=True)
+    _serve_with_state(writer, _request("a", chain), (list(range(1, 10)), [0] * 8 + [10]), {})
+    writer.close()  # eight positions on disk, and no state after any of them
+    reader = engines(tiny_model, _disk(tmp_path), state=True)
+    asked: list[int] = []
+    sizes_many = LMDBTier.sizes_many
+    monkeypatch.setattr(
+        LMDBTier, "sizes_many", lambda tier, keys: asked.append(len(keys)) or sizes_many(tier, keys)
+    )
+    assert reader.admit(_request("b", chain), (list(range(1, 10)), [0] * 9))[0] == 0
+    assert asked == [8, 8]  # the positions' KV, then a state's last piece for each
 
 
 def test_a_state_of_a_partial_block_is_not_saved(tiny_model, engines):
