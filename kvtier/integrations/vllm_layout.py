@@ -21,8 +21,9 @@ into (vLLM needs only the window before the hit's end). Each position keeps its 
 every layer, the window's included, so any block boundary is a hit for every group.
 
 State. A Mamba group's block holds the layer's state after one position, and vLLM keeps
-it only at some positions (where a prefill chunk or a decoded block ended): it hands
-the connector those it commits (``boundary_state_offloads``). kvtier stores each as a
+it only at some positions (where a prefill chunk ended on a block boundary): it hands
+the connector those it commits (``boundary_state_offloads``; a state after part of a
+block has no block hash, and kvtier keeps none). kvtier stores each as a
 few blocks of their own after that position's block (``kvtier.connector.StatePiece``),
 and a hit ends only at a position whose state it holds: attention KV is never restored
 without the state after it, nor a state without the KV before it.
