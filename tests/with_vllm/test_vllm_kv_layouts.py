@@ -287,3 +287,22 @@ def test_a_positions_kv_and_the_state_after_it_load_bit_exact_into_other_blocks(
     untouched = [b for b in range(NUM_BLOCKS) if b not in (5, 6, 7, 8)]
     for name, view in views.items():
         assert torch.equal(view[untouched], before[name][untouched])
+
+
+def test_a_store_written_with_another_state_layout_is_never_read() -> None:
+    linear, full = ["model.layers.0.linear_attn"], ["model.layers.1.self_attn.attn"]
+    narrow = _state(mamba_cache_mode="align")
+    wide = MambaSpec(
+        block_size=32,
+        shapes=((3, 64), (2, 16, 48)),
+        dtypes=(torch.bfloat16, torch.float32),
+        page_size_padded=_attention(32).page_size_bytes,
+        mamba_cache_mode="align",
+    )
+    roots = []
+    for state in (narrow, wide):
+        config = _config((linear, state), (full, _attention(32)))
+        cache = _worker(_views(config, KVCacheLayout.LBHNC, 32), config)
+        roots.append(cache.root)
+        cache.close()
+    assert roots[0] != roots[1]  # the same attention, other state: keys of their own
