@@ -15,11 +15,13 @@ group of Mamba state, before a full-attention one).
 from __future__ import annotations
 
 import random
+import shutil
 from pathlib import Path
 
 import pytest
 from conftest import VOCAB, gemma3_config
 from redis_servers import LOCAL_URL, delete_prefix, unique_prefix
+from test_vllm_server import corrupt_disk
 
 from kvtier.integrations.vllm_engine import (
     BLOCK_SIZE,
@@ -177,3 +179,16 @@ def test_a_second_server_hits_the_state_the_first_stored_in_redis(
     past, boundary = (r.tokens_per_tier for r in other.requests)
     assert past == {"redis": 4 * STATE_BLOCK}
     assert boundary == {"cpu": 3 * STATE_BLOCK}
+
+
+def test_a_hybrids_corrupt_values_on_disk_are_recomputed_with_vllm_alones_replies(
+    tiny_qwen3_next, space, prefix, state_first, state_reference
+):
+    # vLLM stops the engine on failed block ids of a model with several KV cache groups:
+    # the failed loads are reported by request, and vLLM recomputes them.
+    store = space / "q-corrupt"
+    shutil.copytree(space / "q-lmdb", store)
+    corrupt_disk(store)
+    again = _engine(tiny_qwen3_next, space / "q-corrupt-run", _states(store, prefix), STATE_PROMPTS)
+    assert [r.tokens for r in again.requests] == state_reference[:2]
+    assert again.load_errors > 0
