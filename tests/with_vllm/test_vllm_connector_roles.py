@@ -125,7 +125,7 @@ MLA_LATENT = 576  # DeepSeek's compressed KV and rope key: one "head", alike on 
 
 
 WINDOW = 2 * BLOCK  # of the sliding-window layer of a hybrid (``window=True``)
-STATE_BYTES = 6000  # of the state layer of a hybrid (``state=True``)
+STATE_BYTES = 6000  # of the state layer of a hybrid (``state=True``), over all TP ranks
 
 
 def _kv_cache_config(
@@ -135,7 +135,7 @@ def _kv_cache_config(
     an MLA model's: every rank holds the same latent (vLLM's ``kv_tp_replicas``); with
     ``window`` or ``state`` as a hybrid's under vLLM's hybrid KV cache manager: layer 0
     full attention, layer 1 a sliding window of ``WINDOW`` tokens or a Mamba layer's
-    state of ``STATE_BYTES``, each group with its own block table."""
+    state (``STATE_BYTES`` split over the ranks), each group with its own block table."""
     if mla:
         spec = MLAAttentionSpec(
             block_size=BLOCK, num_kv_heads=1, head_size=MLA_LATENT, dtype=torch.bfloat16
@@ -149,7 +149,7 @@ def _kv_cache_config(
         other = (
             SlidingWindowSpec(**page, dtype=torch.bfloat16, sliding_window=WINDOW)
             if window
-            else MambaSpec(BLOCK, ((STATE_BYTES,),), (torch.int8,), mamba_cache_mode="align")
+            else MambaSpec(BLOCK, ((STATE_BYTES // tp,),), (torch.int8,), mamba_cache_mode="align")
         )
         groups = [
             KVCacheGroupSpec(LAYER_NAMES[:1], spec),
@@ -174,9 +174,8 @@ def _kv_caches(tp: int, mla: bool, state: bool) -> dict[str, torch.Tensor]:
     shape = (NUM_BLOCKS, KV_HEADS // tp, BLOCK, 64)
     kv = {name: torch.randn(shape, dtype=torch.bfloat16) for name in LAYER_NAMES}
     if state:
-        kv[LAYER_NAMES[1]] = torch.randint(-128, 128, (NUM_BLOCKS, 1, 1, STATE_BYTES)).to(
-            torch.int8
-        )
+        shape = (NUM_BLOCKS, 1, 1, STATE_BYTES // tp)
+        kv[LAYER_NAMES[1]] = torch.randint(-128, 128, shape).to(torch.int8)
     return kv
 
 
@@ -1323,6 +1322,20 @@ def test_a_hybrids_hit_ends_at_the_last_position_whose_state_it_holds(tiny_model
     assert engine.load()[1] == set() and not engine.failed
     assert torch.equal(engine.kv(0, [8, 9])[0], full)
     assert torch.equal(engine.kv(0, [13])[1], state)
+
+
+def test_each_tensor_parallel_rank_restores_its_own_part_of_the_state(tiny_model, engines):
+    engine = engines(tiny_model, _host_only(), tp=2, state=True)
+    chain = _hashes(67, 2)
+    _serve_with_state(engine, _request("a", chain), ([1, 2, 3], [0, 4, 5]), {1: 4})
+    saved = [(engine.kv(rank, [1, 2])[0], engine.kv(rank, [4])[1]) for rank in (0, 1)]
+    assert not torch.equal(saved[0][1], saved[1][1])  # the ranks' states differ
+
+    assert engine.admit(_request("b", chain), ([6, 7, 8], [0, 9, 10])) == (2 * BLOCK, True)
+    assert engine.load()[1] == set() and not engine.failed
+    for rank, (full, state) in enumerate(saved):
+        assert torch.equal(engine.kv(rank, [6, 7])[0], full)
+        assert torch.equal(engine.kv(rank, [9])[1], state)
 
 
 def test_a_hybrids_positions_with_no_state_after_them_are_no_hit(tiny_model, engines):
