@@ -176,7 +176,7 @@ class EngineKV:
         self._state_rows = [t.view(len(t), -1).view(torch.uint8) for t in states]
         self._state_groups = list(state_groups)
         self._pieces = _pack(
-            [len(r[0]) for r in self._state_rows], len(self.layers) * self.block_nbytes
+            [r.shape[1] for r in self._state_rows], len(self.layers) * self.block_nbytes
         )
 
     @property
@@ -196,7 +196,7 @@ class EngineKV:
         if len(self.groups) > 1:
             text += " in groups " + ", ".join(f"{g.kind} x{g.layers}" for g in self.groups)
         if self._pieces:
-            sizes = "+".join(str(len(r[0])) for r in self._state_rows)
+            sizes = "+".join(str(r.shape[1]) for r in self._state_rows)
             text += f", state of {sizes} B (groups {self._state_groups}) in {self.num_pieces}"
         return text
 

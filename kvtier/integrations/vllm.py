@@ -176,11 +176,6 @@ HIT_SOURCES: dict[str, CacheHitSource] = {
 }
 
 
-def _positions(tables: Sequence[list[int]], start: int, end: int) -> list[tuple[int, ...]]:
-    """The engine blocks of chain positions ``start..end``: one id per KV cache group."""
-    return list(zip(*(table[start:end] for table in tables)))
-
-
 def timed(hook: Callable[..., Any]) -> Callable[..., Any]:
     """Count the calls of a connector hook and the time spent in it (``HOOKS``)."""
     name = hook.__name__
@@ -977,7 +972,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _targets(self, tables: Sequence[list[int]], start: int, end: int) -> list[BlockIds]:
         """The vLLM blocks of chain positions ``start..end``: one id per attention group."""
-        return list(_positions([tables[g] for g in self._attention_groups], start, end))
+        return list(zip(*(tables[g][start:end] for g in self._attention_groups)))
 
     def _pieces(self, tables: Sequence[list[int]], position: int, n: int) -> list[BlockIds]:
         """The ``n`` pieces of the state that the state groups' blocks hold after
