@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,15 @@ from test_cache_host import make_cache, prompt
 from kvtier.block_manager import StaleHitError
 from kvtier.cache import TieredCache
 from kvtier.config import parse_config
-from kvtier.connector import ConnectorCache, ConnectorHit, EngineKV, engine_layout
+from kvtier.connector import (
+    ConnectorCache,
+    ConnectorHit,
+    EngineKV,
+    StatePiece,
+    engine_blocks,
+    engine_layout,
+    state_keys,
+)
 from kvtier.synthetic import PoolExhausted, serve
 from kvtier.transfer import copy_blocks
 
@@ -116,41 +125,79 @@ def test_threads_serving_at_once_keep_kv_exact_and_pools_consistent(
     cache.close()
 
 
-def connector_worker(device: str, host_blocks: int, disk: Path | None = None) -> ConnectorCache:
-    """A worker's cache below 16 engine blocks of 2 layers on ``device`` (random bf16 KV),
-    with a host pool of ``host_blocks`` and, with ``disk``, an LMDB tier of 4-block
-    chunks; a waiting request's stage may take the whole pool."""
-    kv = EngineKV([torch.randn(16, 2, 4, 2, 8).to(torch.bfloat16).to(device) for _ in range(2)])
-    layout = engine_layout(kv, block_size=4, num_kv_heads=2, head_dim=8, kv_factor=2)
+def kv_layers(device: str, ratio: int = 1, kv_factor: int = 2) -> list[torch.Tensor]:
+    """2 layers of random bf16 KV in 16 engine blocks of ``4 * ratio`` tokens on
+    ``device``, as an attention kernel of 4-token blocks sees them: FlashInfer's
+    ``[16 * ratio, 2, 4, 2, 8]`` (K and V after the kernel block), or with ``kv_factor``
+    1 an MLA latent's ``[16 * ratio, 4, 32]`` (FlashMLA's)."""
+    shape = (16 * ratio, 2, 4, 2, 8) if kv_factor == 2 else (16 * ratio, 4, 32)
+    return [torch.randn(shape).to(torch.bfloat16).to(device) for _ in range(2)]
+
+
+def connector_worker(
+    device: str,
+    host_blocks: int,
+    disk: Path | None = None,
+    layers: list[torch.Tensor] | None = None,
+    kv_factor: int = 2,
+    states: Sequence[torch.Tensor] = (),
+    state_groups: Sequence[int] = (),
+) -> ConnectorCache:
+    """A worker's cache below the engine's KV tensors ``layers`` (``kv_layers(device)``
+    by default) as 16 engine blocks, and its recurrent ``states`` (layer i's blocks in
+    state group ``state_groups[i]``), with a host pool of ``host_blocks`` and, with
+    ``disk``, an LMDB tier of 4-block chunks; a waiting request's stage may take the
+    whole pool."""
+    layers = kv_layers(device) if layers is None else layers
+    kv = EngineKV([engine_blocks(t, 16) for t in layers], states=states, state_groups=state_groups)
+    heads, head_dim = (2, 8) if kv_factor == 2 else (1, 32)
+    block_size = 4 * len(layers[0]) // 16
+    layout = engine_layout(kv, block_size, heads, head_dim, kv_factor)
     tiers: dict = {"cpu": {"capacity": host_blocks * layout.block_nbytes, "stage_share": 1.0}}
     if disk is not None:
         tiers["disk"] = {"path": str(disk / "lmdb"), "capacity": "64MiB", "chunk_blocks": 4}
     return ConnectorCache(parse_config({"tiers": tiers}), kv, layout, "model", "rank0")
 
 
+def cpu_copies(tensors: list[torch.Tensor], index: slice | int) -> list[torch.Tensor]:
+    """A copy, on the CPU, of ``index`` of each of ``tensors``."""
+    return [t[index].to("cpu", copy=True) for t in tensors]
+
+
 def engine_kv(cache: ConnectorCache, blocks: slice) -> list[torch.Tensor]:
     """A copy, on the CPU, of engine ``blocks`` of every layer."""
-    return [layer[blocks].to("cpu", copy=True) for layer in cache.kv.layers]
+    return cpu_copies(cache.kv.layers, blocks)
 
 
-def save_chain(cache: ConnectorCache, first: int) -> tuple[list[bytes], list[torch.Tensor]]:
-    """Save engine blocks 0-7 as a chain of 8 blocks whose base keys start at ``first``,
+def save_chain(
+    cache: ConnectorCache, first: int, pieces: Sequence[StatePiece] = ()
+) -> tuple[list[bytes], list[torch.Tensor]]:
+    """Save engine blocks 0-7 as a chain of 8 blocks whose base keys start at ``first``
+    (and the state after its last position as ``pieces``, keyed by ``state_keys``),
     then overwrite them at once (the engine may reuse its blocks as soon as ``save``
-    returns). Returns the chain's keys and the KV it saved."""
-    keys = cache.keys([key.to_bytes(16, "little") for key in range(first, first + 8)])
+    returns). Returns the keys saved and the KV of blocks 0-7."""
+    base = [key.to_bytes(16, "little") for key in range(first, first + 8)]
+    base += state_keys(base[-1], len(pieces), parse_config({}).hashing.algorithm)
+    keys = cache.keys(base)
     saved = engine_kv(cache, slice(0, 8))
-    cache.save(list(range(8)), keys, cache.root, 0)
+    cache.save([*range(8), *pieces], keys, cache.root, 0)
     for layer in cache.kv.layers:
         layer[:8].normal_()
     return keys, saved
 
 
 def load_into_blocks_8_to_15(
-    cache: ConnectorCache, keys: list[bytes], hit: ConnectorHit, asynchronous: bool
+    cache: ConnectorCache,
+    keys: list[bytes],
+    hit: ConnectorHit,
+    asynchronous: bool,
+    pieces: Sequence[StatePiece] = (),
 ) -> None:
-    """Pin and load ``hit`` (8 blocks) into engine blocks 8-15, then wait until
-    ``finished_loads`` reports it over with no failed block."""
-    assert cache.pin("r", keys, cache.root, hit, list(range(8, 16))) == 8
+    """Pin and load ``hit`` (8 blocks, then a state's ``pieces``) into engine blocks 8-15
+    (and ``pieces``), then wait until ``finished_loads`` reports it over with no failed
+    block."""
+    blocks = [*range(8, 16), *pieces]
+    assert cache.pin("r", keys, cache.root, hit, blocks) == len(blocks)
     cache.load("r", asynchronous)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -200,6 +247,62 @@ def test_connector_blocks_spilled_to_disk_load_bit_exact(
         load_into_blocks_8_to_15(cache, keys, hit, asynchronous=False)
         assert all(map(torch.equal, engine_kv(cache, slice(8, 16)), saved))
         assert cache.pinned_slots == 0
+    finally:
+        cache.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("ratio", "kv_factor"),
+    [(1, 2), (2, 2), (4, 2), (4, 1)],
+    ids=["FlashInfer ratio 1", "FlashInfer ratio 2", "FlashInfer ratio 4", "FlashMLA ratio 4"],
+)
+def test_kernel_block_views_load_whole_engine_blocks_bit_exact(
+    device: str, ratio: int, kv_factor: int
+) -> None:
+    layers = kv_layers(device, ratio, kv_factor)
+    cache = connector_worker(device, host_blocks=8, layers=layers, kv_factor=kv_factor)
+    try:
+        assert cache.layout.block_size == 4 * ratio
+        saved = cpu_copies(layers, slice(0, 8 * ratio))  # engine blocks 0-7
+        keys, _ = save_chain(cache, 0)
+        overwritten = cpu_copies(layers, slice(0, 8 * ratio))
+        load_into_blocks_8_to_15(cache, keys, ConnectorHit(0, host_blocks=8), asynchronous=False)
+        # Engine blocks 8-15 are kernel blocks 8 * ratio to 16 * ratio - 1.
+        assert all(map(torch.equal, cpu_copies(layers, slice(8 * ratio, None)), saved))
+        assert all(map(torch.equal, cpu_copies(layers, slice(0, 8 * ratio)), overwritten))
+    finally:
+        cache.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_recurrent_states_pieces_load_bit_exact_into_other_state_blocks(device: str) -> None:
+    # 3 state layers of 200 B in 2 Mamba groups, views of one int8 buffer as vLLM
+    # allocates them; host slots of 2 layers x 256 B: layers 0 and 1 are piece 0, layer
+    # 2 piece 1.
+    states = list(torch.randint(-128, 128, (3, 16, 1, 1, 200), dtype=torch.int8).to(device))
+    cache = connector_worker(device, host_blocks=10, states=states, state_groups=[0, 0, 1])
+    try:
+        assert cache.kv.num_pieces == 2
+        # The state after position 7 is in blocks 3 (group 0) and 4 (group 1); it loads
+        # into blocks 9 and 12.
+        saved_ids, loaded_ids = (3, 3, 4), (9, 9, 12)
+        pieces = [StatePiece((3, 4), j) for j in range(cache.kv.num_pieces)]
+        saved_states = [s[b].to("cpu", copy=True) for s, b in zip(states, saved_ids)]
+        keys, saved = save_chain(cache, 0, pieces)
+        for s in states:
+            s.random_(-128, 128)
+        before = cpu_copies(states, slice(None))
+        overwritten = engine_kv(cache, slice(0, 8))
+        hit = ConnectorHit(0, host_blocks=10, pieces=2)
+        loaded = [StatePiece((9, 12), j) for j in range(cache.kv.num_pieces)]
+        load_into_blocks_8_to_15(cache, keys, hit, asynchronous=False, pieces=loaded)
+        assert all(map(torch.equal, engine_kv(cache, slice(8, 16)), saved))
+        assert all(map(torch.equal, engine_kv(cache, slice(0, 8)), overwritten))
+        for s, b, state, old in zip(states, loaded_ids, saved_states, before):
+            assert torch.equal(s[b].cpu(), state)
+            untouched = [i for i in range(16) if i != b]
+            assert torch.equal(s[untouched].cpu(), old[untouched])
     finally:
         cache.close()
 
