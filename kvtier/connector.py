@@ -93,9 +93,10 @@ STAGE_YIELD = 0.25  # seconds a stage's read waits at most for the loads being r
 
 @dataclass(frozen=True)
 class StatePiece:
-    """Piece ``index`` of the recurrent state (Mamba, linear attention) that engine blocks
-    ``ids`` (one per state group) hold after a chain position: some of the state layers'
-    bytes, packed into one host slot (``EngineKV.num_pieces`` pieces per state)."""
+    """Piece ``index`` of the state after a chain position that engine blocks ``ids``
+    hold (``EngineKV``: one id per state group, then one per block of each sliding
+    window): the recurrent state's (Mamba, linear attention) bytes or a window's KV,
+    packed into one host slot (``EngineKV.num_pieces`` pieces per state)."""
 
     ids: tuple[int, ...]
     index: int
@@ -132,9 +133,14 @@ class EngineKV:
     ``states`` too: one tensor per state layer, ``[num_blocks, ...]``, a block holding
     the layer's state after some chain position; ``state_groups[i]`` is the index of
     state layer i's block in a ``StatePiece``'s ids. The state layers' bytes are packed,
-    whole layers in order, into pieces of at most one host slot each
-    (``num_pieces``): a state is stored as that many kvtier blocks after its position
-    (``state_keys``).
+    whole layers in order, into pieces of at most one host slot each. A model whose
+    sliding-window layers are kept as a state (only the window before chosen positions,
+    not every position) has ``windows``: (a window layer's tensor, like ``layers``, the
+    index in a ``StatePiece``'s ids of its block there), one per layer and block of the
+    window, packed ``len(layers)`` to a piece after the state's bytes. A state is stored
+    as ``num_pieces`` kvtier blocks after its position (``state_keys``); a piece's id
+    equal to ``null_block`` is neither saved nor loaded (a window reaching before the
+    chain, or into blocks the engine holds itself).
 
     Copies move a batch of blocks per layer (``copy_blocks`` coalesces runs) between
     these tensors and the host slab, viewed as ``[slots, layers, *layer block shape]``
@@ -148,11 +154,12 @@ class EngineKV:
         null_block: int | None = None,
         states: Sequence[torch.Tensor] = (),
         state_groups: Sequence[int] = (),
+        windows: Sequence[tuple[torch.Tensor, int]] = (),
     ) -> None:
         if not layers:
             raise ValueError("EngineKV needs at least one layer tensor")
         first = layers[0]
-        for i, t in enumerate(layers):
+        for i, t in enumerate([*layers, *(w for w, _ in windows)]):
             if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
                 raise ValueError(
                     f"KV layer {i} is {tuple(t.shape)} {t.dtype} on {t.device}; expected "
@@ -178,6 +185,8 @@ class EngineKV:
         self._pieces = _pack(
             [r.shape[1] for r in self._state_rows], len(self.layers) * self.block_nbytes
         )
+        n = len(self.layers)
+        self._windows = [list(windows[k : k + n]) for k in range(0, len(windows), n)]
 
     @property
     def block_nbytes(self) -> int:
@@ -186,8 +195,8 @@ class EngineKV:
 
     @property
     def num_pieces(self) -> int:
-        """Host slots that one recurrent state takes (0: the engine has none)."""
-        return len(self._pieces)
+        """Host slots that one state takes (0: the engine has none)."""
+        return len(self._pieces) + len(self._windows)
 
     def describe(self) -> str:
         """The element order of one block (part of the namespace root)."""
@@ -197,7 +206,10 @@ class EngineKV:
             text += " in groups " + ", ".join(f"{g.kind} x{g.layers}" for g in self.groups)
         if self._pieces:
             sizes = "+".join(str(r.shape[1]) for r in self._state_rows)
-            text += f", state of {sizes} B (groups {self._state_groups}) in {self.num_pieces}"
+            text += f", state of {sizes} B (groups {self._state_groups}) in {len(self._pieces)}"
+        if self._windows:
+            ids = [g for piece in self._windows for _, g in piece]
+            text += f", windows of {len(ids)} layer blocks (ids {ids}) in {len(self._windows)}"
         return text
 
     def host_view(self, slab: torch.Tensor) -> torch.Tensor:
@@ -242,17 +254,22 @@ class EngineKV:
     def _piece_copies(
         self, host: torch.Tensor, pieces: list[tuple[StatePiece, int]]
     ) -> Iterable[tuple[torch.Tensor, list[int], torch.Tensor, list[int]]]:
-        """Per state layer of the pieces: (its rows, engine ids, the host region that
-        holds it, slots)."""
+        """Per state layer and window layer block of the pieces: (its engine tensor,
+        engine ids, the host region that holds it, slots), the null block left out."""
         if not pieces:
             return
         host_bytes = host.view(len(host), -1).view(torch.uint8)
-        for index, members in enumerate(self._pieces):
+        rows, of = self._state_rows, self._state_groups
+        states = [
+            [(rows[k], of[k], host_bytes[:, o : o + rows[k].shape[1]]) for k, o in members]
+            for members in self._pieces
+        ]
+        windows = [[(t, g, host[:, i]) for i, (t, g) in enumerate(m)] for m in self._windows]
+        for index, members in enumerate(states + windows):
             mine = [(p.ids, s) for p, s in pieces if p.index == index]
-            for layer, offset in members if mine else ():
-                rows, g = self._state_rows[layer], self._state_groups[layer]
-                region = host_bytes[:, offset : offset + rows.shape[1]]
-                yield rows, [ids[g] for ids, _ in mine], region, [s for _, s in mine]
+            for tensor, g, region in members if mine else ():
+                pairs = [(ids[g], s) for ids, s in mine if ids[g] != self._null_block]
+                yield tensor, [i for i, _ in pairs], region, [s for _, s in pairs]
 
     def _per_group(
         self, block_ids: Sequence[BlockIds], slots: list[int]

@@ -43,7 +43,10 @@ Models. What the connector can hold is decided as it is built, from vLLM's
 and MLA, every group at each block (it supports vLLM's hybrid KV cache manager), and
 beside them Mamba state, saved where vLLM commits one (``boundary_state_offloads``)
 and loaded at the end of a hit; any other model is refused with one sentence before
-any request. With several groups every load is asynchronous and a failed one is
+any request. Beside full attention a sliding window's KV is a state too: saved before
+a prompt's end and where the request's prompt parts from the positions held past the
+last window held (``_save_specs``), so that a hit reads one window, not every block's.
+With several groups every load is asynchronous and a failed one is
 reported by request (``get_transfer_results``): vLLM stops the engine on failed block
 ids it cannot map to one request.
 
@@ -116,12 +119,15 @@ from kvtier.connector import (
 )
 from kvtier.integrations.vllm_events import TierEvents, events_enabled, to_vllm
 from kvtier.integrations.vllm_layout import (
-    attention_groups,
+    NULL_BLOCK,
     cached_groups,
     engine_ids,
     engine_kv,
     holds_all,
+    position_groups,
     state_groups,
+    window_blocks,
+    window_groups,
     windowed,
 )
 from kvtier.integrations.vllm_metrics import (
@@ -312,6 +318,7 @@ class _RequestState:
     # (last base key, chain position) of each state it saved: their partial chunks
     # go to the write-through tiers once it finishes, as its chain's does.
     state_tails: list[tuple[bytes, int]] = field(default_factory=list)
+    branch: int = 0  # positions held below where its chain parts from the states held
 
 
 @dataclass(frozen=True)
@@ -393,9 +400,11 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 f"{hash_block} != block_size {cache_config.block_size}"
             )
         self._groups = cached_groups(kv_cache_config)  # refuses what kvtier cannot hold
-        self._attention_groups = attention_groups(self._groups)  # a position's blocks
-        self._state_groups = state_groups(self._groups)  # a state's blocks
-        self._windowed = windowed([self._groups[g] for g in self._attention_groups])
+        self._position_groups = position_groups(self._groups)  # a position's blocks
+        self._state_groups = state_groups(self._groups)  # a state's blocks, then the windows'
+        self._windows = [(g, window_blocks(self._groups[g])) for g in window_groups(self._groups)]
+        self._windowed = windowed([self._groups[g] for g in self._position_groups])
+        self._keeps_states = bool(self._state_groups or self._windows)  # a hit ends at one
         # vLLM maps load errors reported by block back to requests only for one group (for
         # more it stops the engine): a hybrid's loads are all asynchronous, and a failed
         # one is reported by request, so that vLLM recomputes it (``failed_recving``).
@@ -767,11 +776,14 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if not num_external_tokens or hit is None:
             return
         accepted, tables = num_external_tokens // self.block_size, blocks.get_block_ids()
-        targets = self._targets(tables, hit.start, hit.start + accepted)
+        end = hit.start + accepted
+        targets = self._targets(tables, hit.start, end)
         if not hit.pieces:
             hit = hit.truncated(accepted)
-        elif accepted == hit.num_positions:
-            targets += self._pieces(tables, hit.start + accepted - 1, hit.pieces)
+        elif accepted == hit.num_positions and self._windows_cover(tables, hit.start, end):
+            ids = self._state_ids(tables, end - 1, hit.start)
+            targets += [StatePiece(ids, j) for j in range(hit.pieces)] if ids else []
+            hit = hit if ids else None
         else:  # vLLM took fewer blocks than the hit: kvtier holds no state after them
             hit = None
         spec = None
@@ -941,8 +953,11 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         ):
             return last.hit
         hit = self.index.lookup(keys[:wanted], start)
-        if self._state_groups:
-            hit = self._state_hit(keys, hit)
+        if self._keeps_states:
+            held, hit = hit.start + hit.num_blocks, self._state_hit(keys, hit)
+            # Where prompts part, the positions held run on past the last state: the
+            # request saves a window there, so that the next one sharing them hits it.
+            state.branch = held if held > hit.start + hit.num_positions else 0
         state.last_lookup = _Lookup(now, start, wanted, hit)
         return hit
 
@@ -971,14 +986,31 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return keys[hit.start : end] + (self.index.state_keys(keys[end - 1]) if hit.pieces else [])
 
     def _targets(self, tables: Sequence[list[int]], start: int, end: int) -> list[BlockIds]:
-        """The vLLM blocks of chain positions ``start..end``: one id per attention group."""
-        return list(zip(*(tables[g][start:end] for g in self._attention_groups)))
+        """The vLLM blocks of chain positions ``start..end``: one id per position group."""
+        return list(zip(*(tables[g][start:end] for g in self._position_groups)))
 
-    def _pieces(self, tables: Sequence[list[int]], position: int, n: int) -> list[BlockIds]:
-        """The ``n`` pieces of the state that the state groups' blocks hold after
-        ``position``."""
-        ids = tuple(tables[g][position] for g in self._state_groups)
-        return [StatePiece(ids, j) for j in range(n)]
+    def _state_ids(
+        self, tables: Sequence[list[int]], position: int, start: int, states: tuple[int, ...] = ()
+    ) -> tuple[int, ...] | None:
+        """A ``StatePiece``'s ids for the state after ``position``: the state groups'
+        blocks there (``states``, else vLLM's table's), then each window's blocks up to
+        it, the null block for those before ``start`` (vLLM's own blocks) or before the
+        chain. None where a window's table no longer holds a block the state needs."""
+        ids = list(states or (tables[g][position] for g in self._state_groups))
+        for g, n in self._windows:
+            for p in range(position - n + 1, position + 1):
+                ids.append(tables[g][p] if p >= max(start, 0) else NULL_BLOCK)
+                if p >= max(start, 0) and ids[-1] == NULL_BLOCK:
+                    return None
+        return tuple(ids)
+
+    def _windows_cover(self, tables: Sequence[list[int]], start: int, end: int) -> bool:
+        """Whether the windows before position ``end`` hold every block vLLM gave the
+        window groups for positions ``start..end`` (it gives the earlier ones its null
+        block): else a load would leave blocks that vLLM takes as computed unwritten."""
+        return all(
+            tables[g][p] == NULL_BLOCK for g, n in self._windows for p in range(start, end - n)
+        )
 
     def _plan_stages(self) -> tuple[list[StageSpec], list[list[bytes]]]:
         """The stages of the waiting requests due for one, and the keys of their hits to
@@ -1061,7 +1093,11 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         """The saves of the blocks that become full this step: a run of positions per
         spec, a position that a sliding window's table no longer holds left out (it fell
         out of the window before this step: the blocks of vLLM's own hit; the position
-        was saved when it was computed, or is not a hit below)."""
+        was saved when it was computed, or is not a hit below). A model whose windows
+        are kept as states (and that has no Mamba state, whose positions vLLM picks)
+        saves a window before the prompt's last full block, before the last block a
+        repeat of the prompt can hit, and before where its prompt parts from the
+        positions held (``_RequestState.branch``), when this step computes them."""
         request = state.request
         full = min(
             len(request.block_hashes),
@@ -1071,7 +1107,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             return []
         keys = self._keys(state)
         start = state.num_saved
-        table = self._targets(self._kv_cache_manager.get_block_ids(request.request_id), start, full)
+        tables = self._kv_cache_manager.get_block_ids(request.request_id)
+        table = self._targets(tables, start, full)
         state.num_saved = full
         self._note(state, start, full)
         specs, first = [], start
@@ -1082,6 +1119,11 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                     ids = table[first - start : i - start]
                     specs.append(SaveSpec(request.request_id, ids, keys[first:i], parent, first))
                 first = i + 1
+        if self._windows and not self._state_groups:  # the windows' own states
+            prompt = request.num_prompt_tokens
+            ends = {(prompt - 1) // self.block_size, prompt // self.block_size, state.branch}
+            for end in sorted(e for e in ends if start < e <= full):
+                specs.extend(self._state_save(state, end - 1, self._state_ids(tables, end - 1, 0)))
         return specs
 
     def _state_saves(
@@ -1093,20 +1135,32 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         by_tokens: dict[int, dict[int, int]] = {}
         for group, block, tokens in offers:
             by_tokens.setdefault(tokens, {})[group] = block
-        keys, specs = self._keys(state), []
+        tables = self._kv_cache_manager.get_block_ids(state.request.request_id)
+        specs = []
         for tokens, blocks in sorted(by_tokens.items()):
             position = tokens // self.block_size - 1
             if tokens % self.block_size or set(blocks) != set(self._state_groups):
                 continue
-            if not 0 <= position < min(state.num_saved, len(keys)):
-                continue  # its block is not saved: the state would never be a hit
-            pieces = self.index.state_keys(keys[position])
             ids = tuple(blocks[g] for g in self._state_groups)
-            block_ids: list[BlockIds] = [StatePiece(ids, j) for j in range(len(pieces))]
-            req_id = state.request.request_id
-            specs.append(SaveSpec(req_id, block_ids, pieces, keys[position], position + 1))
-            state.state_tails.append((pieces[-1], position + len(pieces)))
+            specs.extend(
+                self._state_save(state, position, self._state_ids(tables, position, 0, ids))
+            )
         return specs
+
+    def _state_save(
+        self, state: _RequestState, position: int, ids: tuple[int, ...] | None
+    ) -> list[SaveSpec]:
+        """The save of the state after ``position`` from vLLM blocks ``ids``
+        (``_state_ids``), as its pieces after that position's block; none where the
+        position is not saved (the state would never be a hit) or a window's table no
+        longer holds a block the state needs."""
+        keys = self._keys(state)
+        if ids is None or not 0 <= position < min(state.num_saved, len(keys)):
+            return []
+        pieces = self.index.state_keys(keys[position])
+        block_ids: list[BlockIds] = [StatePiece(ids, j) for j in range(len(pieces))]
+        state.state_tails.append((pieces[-1], position + len(pieces)))
+        return [SaveSpec(state.request.request_id, block_ids, pieces, keys[position], position + 1)]
 
     def _note(self, state: _RequestState, start: int, end: int) -> None:
         """Blocks ``start..end`` of the request go to the workers: their KV events may

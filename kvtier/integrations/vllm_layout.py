@@ -12,21 +12,24 @@ before any request, with one sentence that names the model feature and what to c
 (``UnsupportedKVCache``): never a shape error later, never KV read back in a layout that
 did not write it.
 
-Groups. A kvtier block is one chain position in every group, its engine block one id
-per group (``kvtier.connector.EngineKV``): a hit restores every group at once, so a
-position is never restored in one group and not another. A sliding window's block
-table holds vLLM's null block for the positions that fell out of the window: those
-are neither saved (a position is saved only while every group holds it) nor loaded
-into (vLLM needs only the window before the hit's end). Each position keeps its KV in
-every layer, the window's included, so any block boundary is a hit for every group.
+Groups. A kvtier block is one chain position in every position group, its engine block
+one id per group (``kvtier.connector.EngineKV``): a hit restores every group at once, so
+a position is never restored in one group and not another. A sliding window needs, at a
+hit's end, only the KV of the last ``window_blocks`` positions before it (vLLM's table
+holds its null block for the earlier ones). Beside full attention or MLA, a window's KV
+is therefore a state too (``window_groups``): stored only before chosen positions, as
+the pieces after them, not in every position. In a model of sliding windows alone the
+windows are the position groups: every position keeps its KV, and a position that a
+window's table no longer holds is neither saved nor loaded into.
 
 State. A Mamba group's block holds the layer's state after one position, and vLLM keeps
 it only at some positions (where a prefill chunk ended on a block boundary): it hands
 the connector those it commits (``boundary_state_offloads``; a state after part of a
-block has no block hash, and kvtier keeps none). kvtier stores each as a
-few blocks of their own after that position's block (``kvtier.connector.StatePiece``),
-and a hit ends only at a position whose state it holds: attention KV is never restored
-without the state after it, nor a state without the KV before it.
+block has no block hash, and kvtier keeps none). kvtier stores each, with the windows
+before that position, as a few blocks of their own after that position's block
+(``kvtier.connector.StatePiece``), and a hit ends only at a position whose state it
+holds: attention KV is never restored without the state after it, nor a state without
+the KV before it.
 
 Kernel blocks. An attention kernel that takes smaller blocks than vLLM's ``--block-size``
 (FlashInfer's or FlashMLA's, vLLM's CPU MLA backend's 16 tokens) sees each vLLM block as
@@ -174,6 +177,26 @@ def state_groups(specs: Sequence[KVCacheSpec]) -> list[int]:
     return [i for i, spec in enumerate(specs) if type(spec) is MambaSpec]
 
 
+def position_groups(specs: Sequence[KVCacheSpec]) -> list[int]:
+    """The indexes of the groups a chain position holds, in order: the attention groups
+    but the sliding windows, or the windows where the model has no other attention."""
+    attention = attention_groups(specs)
+    return [i for i in attention if not isinstance(specs[i], SlidingWindowSpec)] or attention
+
+
+def window_groups(specs: Sequence[KVCacheSpec]) -> list[int]:
+    """The indexes of the sliding-window groups whose KV is kept as a state, in order."""
+    positions = position_groups(specs)
+    return [i for i in attention_groups(specs) if i not in positions]
+
+
+def window_blocks(spec: SlidingWindowSpec) -> int:
+    """The blocks before a hit's end whose KV a window's layers need there: the blocks
+    vLLM allocates for loaded tokens in a window's group (it gives the earlier ones its
+    null block)."""
+    return -(-(spec.sliding_window - 1) // spec.block_size)
+
+
 def windowed(specs: Sequence[AttentionSpec]) -> list[bool]:
     """Per group, whether its block table holds the null block where a block fell out of
     its sliding window."""
@@ -194,7 +217,7 @@ def engine_ids(
     out: set[int] = set()
     for ids in blocks:
         if isinstance(ids, StatePiece):
-            out.update(ids.ids)
+            out.update(i for i in ids.ids if i != NULL_BLOCK)
         else:
             out.update(i for i, w in zip(ids, windowed) if not (w and i == NULL_BLOCK))
     return out
@@ -221,9 +244,9 @@ def engine_kv(
 ) -> tuple[EngineKV, KVLayout]:
     """vLLM's per-layer tensors ``kv_caches``, group by group (``specs``, from
     ``cached_groups``; each group's layers in model order), as ``num_blocks`` blocks of
-    one id per attention group and the state layers of the Mamba groups, and their
-    layout; ``UnsupportedKVCache`` when the tensors hold anything but those blocks, or a
-    layer outside every group holds KV of its own."""
+    one id per position group, the state layers of the Mamba groups and the windows kept
+    as a state, and their layout; ``UnsupportedKVCache`` when the tensors hold anything
+    but those blocks, or a layer outside every group holds KV of its own."""
     num_blocks = kv_cache_config.num_blocks
     groups = [
         sorted(g.layer_names, key=extract_layer_index) for g in kv_cache_config.kv_cache_groups
@@ -236,16 +259,22 @@ def engine_kv(
                 f"kvtier cannot cache layer {name}, which is in none of vLLM's KV cache "
                 f"groups: serve this model without kvtier's connector."
             )
-    attention, state = attention_groups(specs), state_groups(specs)
-    spec = specs[attention[0]]
+    positions, state = position_groups(specs), state_groups(specs)
+    spec = specs[positions[0]]
     try:
-        layers = [engine_blocks(kv_caches[n], num_blocks) for g in attention for n in groups[g]]
+        layers = [engine_blocks(kv_caches[n], num_blocks) for g in positions for n in groups[g]]
         states = [
             _state_layer(kv_caches[n], specs[g], num_blocks) for g in state for n in groups[g]
         ]
-        kinds = [_layer_group(specs[g], len(groups[g])) for g in attention]
+        kinds = [_layer_group(specs[g], len(groups[g])) for g in positions]
         of = [k for k, g in enumerate(state) for _ in groups[g]]
-        kv = EngineKV(layers, kinds, NULL_BLOCK, states, of)
+        windows: list[tuple[torch.Tensor, int]] = []
+        index = len(state)  # a window block's id in a StatePiece: after the states'
+        for g in window_groups(specs):
+            for _ in range(window_blocks(specs[g])):
+                windows += [(engine_blocks(kv_caches[n], num_blocks), index) for n in groups[g]]
+                index += 1
+        kv = EngineKV(layers, kinds, NULL_BLOCK, states, of, windows)
         mla = type(spec) is MLAAttentionSpec
         layout = engine_layout(
             kv, spec.block_size, spec.num_kv_heads, spec.head_size, kv_factor=1 if mla else 2

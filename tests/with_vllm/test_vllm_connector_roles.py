@@ -87,6 +87,10 @@ class Request:
     block_hashes: list[bytes]
     num_tokens: int
     num_computed_tokens: int = 0
+    num_prompt_tokens: int = 0  # 0: all of num_tokens
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = self.num_prompt_tokens or self.num_tokens
 
 
 @dataclass
@@ -1269,7 +1273,7 @@ def test_a_hybrids_hit_loads_every_group_and_the_windows_null_blocks_are_left_al
     assert torch.equal(engine.kv(0, [0])[1], null)
 
 
-def test_a_hybrids_positions_the_window_no_longer_holds_are_not_saved_and_the_rest_are(
+def test_a_hybrid_stores_full_attention_at_every_position_and_the_window_at_the_prompts_end(
     tiny_model, engines
 ):
     engine = engines(tiny_model, _host_only(), window=True)
@@ -1278,13 +1282,52 @@ def test_a_hybrids_positions_the_window_no_longer_holds_are_not_saved_and_the_re
     # table for the window no longer holds; the step computes positions 2-3.
     engine.serve(_request("a", chain, computed=2 * BLOCK), ([1, 2, 3, 4, 5], [0, 0, 6, 7, 8]))
     computed = engine.kv(0, [3, 4])[0], engine.kv(0, [6, 7])[1]
-    assert engine.workers[0].cache.counters()["cpu"].blocks_in == 2  # not positions 0-1
+    cache = engine.workers[0].cache
+    assert cache.layout.num_layers == 1  # a position holds the full-attention layer alone
+    assert cache.counters()["cpu"].blocks_in == 4 + 2  # positions 0-3, the window's 2 pieces
 
     b = _request("b", chain, computed=2 * BLOCK)  # vLLM still holds positions 0-1
     assert engine.admit(b, ([1, 2, 9, 10, 11], [0, 0, 12, 13, 14]))[0] == 2 * BLOCK
     engine.load()
     assert torch.equal(engine.kv(0, [9, 10])[0], computed[0])
     assert torch.equal(engine.kv(0, [12, 13])[1], computed[1])
+
+
+def test_a_hybrids_hit_ends_at_the_last_position_with_a_window(tiny_model, engines):
+    engine = engines(tiny_model, _host_only(), window=True)
+    chain = _hashes(64, 5)
+    engine.serve(_request("a", chain[:3]), ([1, 2, 3, 4], [5, 6, 7, 8]))
+    # A longer prompt finds positions 0-2 held, the window at the end of the first one.
+    b = _request("b", chain)
+    assert engine.admit(b, ([9, 10, 11, 12, 13, 14], [0, 9, 10, 11, 12, 13])) == (3 * BLOCK, True)
+    engine.load()
+    assert torch.equal(engine.kv(0, [9, 10])[1], engine.kv(0, [6, 7])[1])
+
+
+def test_where_prompts_part_the_next_request_keeps_a_window_for_the_one_after(tiny_model, engines):
+    engine = engines(tiny_model, _host_only(), window=True)
+    shared = _hashes(65, 3)
+    engine.serve(_request("a", [*shared, *_hashes(66, 3)]), ([*range(1, 8)], [*range(1, 8)]))
+    # b shares 3 positions with a, whose window is at its own end: no hit; b keeps a
+    # window where its prompt parts from a's.
+    b = _request("b", [*shared, *_hashes(67, 3)])
+    assert engine.serve(b, ([*range(8, 15)], [*range(8, 15)])) == (0, False)
+    c = _request("c", [*shared, *_hashes(68, 3)])
+    assert engine.admit(c, ([*range(9, 16)], [*range(0, 7)])) == (3 * BLOCK, True)
+    engine.load()
+    assert torch.equal(engine.kv(0, [1, 2])[1], engine.kv(0, [9, 10])[1])
+
+
+def test_a_window_vllm_allocated_past_what_kvtier_holds_is_a_failed_load(tiny_model, engines):
+    # vLLM takes every block it allocated for the loaded positions as computed: a block of
+    # the window's group before the window kvtier holds would be left unwritten.
+    engine = engines(tiny_model, _host_only(), window=True)
+    chain = _hashes(69, 4)
+    engine.serve(_request("a", chain), ([1, 2, 3, 4, 5], [6, 7, 8, 9, 10]))
+    b = _request("b", chain)
+    assert engine.admit(b, ([11, 12, 13, 14, 15], [11, 12, 13, 14, 15])) == (4 * BLOCK, True)
+    engine.load()
+    assert engine.failed == {"b"}
 
 
 def test_a_hybrids_failed_load_is_reported_by_request_for_vllm_to_recompute(tiny_model, engines):

@@ -90,6 +90,15 @@ def test_a_sliding_window_models_host_hits_reply_as_vllm_alone(first, reference)
     assert hits == [0, 5 * BLOCK_SIZE, 4 * BLOCK_SIZE, 5 * BLOCK_SIZE]
 
 
+def test_a_sliding_window_models_hits_read_its_full_attention_layer_and_one_window(first):
+    # Hits of 5, 4 and 5 positions: per position the full-attention layer's block, per
+    # hit the last 2 blocks (64 tokens) of each of the 3 window layers.
+    layer_block = BLOCK_SIZE * 2 * 32 * 2 * 2  # tokens x KV heads x head size x K, V x bf16
+    host = first.tiers["cpu"]
+    assert host["blocks_out"] == (5 + 4 + 5) + 3 * (3 * 2)
+    assert host["bytes_out"] == host["blocks_out"] * layer_block  # 8 KiB a host slot
+
+
 def test_after_a_restart_a_sliding_window_models_disk_hits_reply_as_vllm_alone(
     tiny_gemma3, space, prefix, first, reference
 ):

@@ -165,24 +165,35 @@ def _window(block_size: int, window: int) -> SlidingWindowSpec:
     )
 
 
-def test_a_position_loads_into_every_group_and_a_windows_null_blocks_are_left_alone() -> None:
+def test_a_window_is_kept_as_the_state_after_a_position_and_loads_around_the_null_block() -> None:
     config = _config((LAYERS[:1], _attention(32)), (LAYERS[1:], _window(32, 64)))
-    views = _views(config, KVCacheLayout.LBHNC, 32)  # the groups overlay one buffer
+    views = _views(config, KVCacheLayout.LBHNC, 32)
     full, window = views[LAYERS[0]], views[LAYERS[1]]
-    # Positions 0-3 computed into full-attention blocks 1-4 and window blocks 5-8; a hit
-    # of all four loads into full-attention blocks 9, 10, 11, 3 and, the 64-token window
-    # keeping the last two positions only, window blocks 2 and 4 (vLLM's null block before).
-    saved_full, saved_window = full[1:5].clone(), window[5:9].clone()
-    null = window[NULL_BLOCK].clone()
+    before = {name: view.clone() for name, view in views.items()}
     cache = _worker(views, config)
     try:
-        saved = [(1, 5), (2, 6), (3, 7), (4, 8)]
-        _round_trip(cache, saved, [(9, NULL_BLOCK), (10, NULL_BLOCK), (11, 2), (3, 4)])
+        # A position holds the full-attention layer alone; the 64-token window needs the
+        # last 2 blocks before a hit's end: a piece each (a slot holds one layer block).
+        assert cache.layout.num_layers == 1 and cache.kv.num_pieces == 2
+        # Positions 0-3 computed into full-attention blocks 1-4 and window blocks 5-8, the
+        # window after position 3 is in blocks 7 and 8. A hit of positions 1-3 past vLLM's
+        # own block 0 loads into blocks 9-11 and its window into window block 4 alone: its
+        # other block is vLLM's own (the null block in the piece's ids).
+        saved = [(1,), (2,), (3,), (4,), *(StatePiece((7, 8), j) for j in range(2))]
+        keys = cache.keys([i.to_bytes(16, "little") for i in range(6)])
+        cache.save(saved, keys, cache.root, 0)
+        loaded = [(9,), (10,), (11,), *(StatePiece((NULL_BLOCK, 4), j) for j in range(2))]
+        hit = ConnectorHit(1, host_blocks=5)
+        cache.pin("r", keys[1:], keys[0], hit, loaded)
+        cache.load("r")
+        assert dict(cache.finished_loads()) == {"r": []}
     finally:
         cache.close()
-    assert torch.equal(torch.stack([full[9], full[10], full[11], full[3]]), saved_full)
-    assert torch.equal(torch.stack([window[2], window[4]]), saved_window[2:])
-    assert torch.equal(window[NULL_BLOCK], null)
+    assert torch.equal(full[9:12], before[LAYERS[0]][2:5])
+    assert torch.equal(window[4], before[LAYERS[1]][8])
+    untouched = [b for b in range(NUM_BLOCKS) if b not in (4, 9, 10, 11)]  # the null block too
+    for name, view in views.items():  # the groups' blocks are views of one buffer
+        assert torch.equal(view[untouched], before[name][untouched])
 
 
 def _state(**kw) -> MambaSpec:  # a gated delta net's conv and recurrent state
