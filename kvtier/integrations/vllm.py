@@ -45,7 +45,9 @@ beside them Mamba state, saved where vLLM commits one (``boundary_state_offloads
 and loaded at the end of a hit; any other model is refused with one sentence before
 any request. Beside full attention a sliding window's KV is a state too: saved before
 a prompt's end and where the request's prompt parts from the positions held past the
-last window held (``_save_specs``), so that a hit reads one window, not every block's.
+last window held (``_save_specs``), and before a reply's end once the request finishes
+(vLLM holds its blocks until the workers have copied it: ``finished_sending``), so
+that a hit reads one window, not every block's.
 With several groups every load is asynchronous and a failed one is
 reported by request (``get_transfer_results``): vLLM stops the engine on failed block
 ids it cannot map to one request.
@@ -271,7 +273,9 @@ class KVTierMetadata(KVConnectorMetadata):
     as the newest before those reads evict; ``unstaged``: requests with a stage that
     no longer wait (scheduled, or gone): their stages are no longer ahead of them.
     ``tails``: the last saved block (base key, chain position) of each request that
-    finished, whose partial chunk goes to the write-through tiers after the saves."""
+    finished, whose partial chunk goes to the write-through tiers after the saves.
+    ``sending``: finished requests whose blocks vLLM holds until this step's saves have
+    copied them (``finished_sending``)."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
@@ -281,6 +285,7 @@ class KVTierMetadata(KVConnectorMetadata):
     stages: list[StageSpec] = field(default_factory=list)
     keep: list[list[bytes]] = field(default_factory=list)
     unstaged: list[str] = field(default_factory=list)
+    sending: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -429,6 +434,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._running: set[str] = set()  # requests of the last step, unless finished since
         self._unstaged: list[str] = []
         self._tails: list[tuple[bytes, int]] = []  # of requests finished (``KVTierMetadata``)
+        self._final_saves: list[SaveSpec] = []  # of requests finished, whose blocks vLLM
+        self._sending: list[str] = []  # holds until the workers have copied them
         # Each shard's last report applied (its origin and seq only): ``_fresh``.
         self._applied: dict[str, ShardReport] = {}
         cpu = self.config.tiers.cpu
@@ -443,6 +450,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._failed_requests: set[str] = set()  # whose load failed, for ``_by_request``
         self.num_load_errors = 0  # blocks reported to vLLM as not loaded, in all
         self._failed_now: set[str] = set()  # requests whose sync load failed this step
+        self._sent: set[str] = set()  # finished requests whose held blocks are copied
         # kvtier's tiers as KV events (scheduler side), only with --kv-events-config.
         self.events: TierEvents | None = None
         if role is KVConnectorRole.SCHEDULER:
@@ -542,12 +550,13 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._failed_now.clear()
         for key, position in meta.tails:  # after the saves: the tails are host blocks
             self._guarded("wait_for_save", self._write_tail, key, position)
+        self._sent.update(meta.sending)  # their copies are ordered before any reuse
 
     @timed
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        """(requests whose blocks may be freed now: none, vLLM frees at once; requests
-        whose async load is over, failed or not: failed blocks are in
-        ``get_block_ids_with_load_errors``)."""
+        """(finished requests whose blocks vLLM held for a save that is now copied, so
+        that it may free them; requests whose async load is over, failed or not: failed
+        blocks are in ``get_block_ids_with_load_errors``)."""
         if self._async_loads or (self._cache is not None and self._cache.staging):
             # vLLM calls this every step, and steps back to back while a request waits
             # for its load; the loads run on Python threads that need the GIL between
@@ -565,14 +574,17 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         recving, self._recving = self._recving, set()
         for req_id in recving if self.trace else ():
             self.trace.event("load_reported", req_id)
-        return set(), recving
+        sent, self._sent = self._sent, set()
+        return sent, recving
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """``get_finished``'s requests, and of them those whose load failed, where load
         errors are reported by request (``_by_request``); vLLM recomputes them."""
-        _, recving = self.get_finished(finished_req_ids)
+        sent, recving = self.get_finished(finished_req_ids)
         failed, self._failed_requests = self._failed_requests, set()
-        return KVConnectorTransferResults(finished_recving=recving, failed_recving=failed)
+        return KVConnectorTransferResults(
+            finished_sending=sent, finished_recving=recving, failed_recving=failed
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """vLLM blocks that did not load since the last call; vLLM recomputes them."""
@@ -823,8 +835,11 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             keep=keep,
             unstaged=self._unstaged,
             tails=self._tails,
+            saves=self._final_saves,
+            sending=self._sending,
         )
         self._loads, self._reset, self._unstaged, self._tails = [], False, [], []
+        self._final_saves, self._sending = [], []
         self._running = set(scheduler_output.num_scheduled_tokens)
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(req_id)
@@ -874,25 +889,31 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     @timed
     def request_finished(
-        self, request: Request, block_ids: list[int]
+        self, request: Request, block_ids: list[int] | tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         """vLLM may free the blocks at once: a save's copy is ordered before their reuse.
-        A stage of the request still under way need not be read any more."""
+        A stage of the request still under way need not be read any more. Where a window
+        is kept as a state, one before the last position the request saved past its
+        prompt (its reply's end: a conversation's next turn hits there) is saved next
+        step, and vLLM holds the blocks until the workers have copied it (True)."""
+        tables = block_ids if isinstance(block_ids, tuple) else (block_ids,)
         state = self._requests.pop(request.request_id, None)
         self._waiting.pop(request.request_id, None)
         self._running.discard(request.request_id)
+        held = False
         if state is not None:
             self._unstage(state)
             if state.saves and state.num_saved:
+                held = bool(self._guarded("request_finished", self._reply_window, state, tables))
                 self._tails.append((state.keys[state.num_saved - 1], state.num_saved - 1))
                 self._tails.extend(state.state_tails)
-        return False, None
+        return held, None
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         """``request_finished``, as vLLM's hybrid KV cache manager calls it."""
-        return self.request_finished(request, block_ids[0])
+        return self.request_finished(request, block_ids)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """kvtier's tiers as KV events since the last step (``vllm_events``); vLLM
@@ -915,6 +936,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if self.events is not None:
             self._guarded("take_events", self.events.reset)
         self._reset = True
+        self._final_saves.clear()  # of the old weights' KV (vLLM still waits for _sending)
         for state in self._requests.values():
             state.keys.clear()
             state.hit = state.last_lookup = None
@@ -1120,11 +1142,17 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                     specs.append(SaveSpec(request.request_id, ids, keys[first:i], parent, first))
                 first = i + 1
         if self._windows and not self._state_groups:  # the windows' own states
-            prompt = request.num_prompt_tokens
-            ends = {(prompt - 1) // self.block_size, prompt // self.block_size, state.branch}
-            for end in sorted(e for e in ends if start < e <= full):
+            for end in (e for e in self._prompt_windows(state) if start < e <= full):
                 specs.extend(self._state_save(state, end - 1, self._state_ids(tables, end - 1, 0)))
         return specs
+
+    def _prompt_windows(self, state: _RequestState) -> list[int]:
+        """The ends (in positions) of the windows a request keeps as it computes its
+        prompt, in order: where its prompt parts from the positions held, the last
+        block a repeat of it can hit, its last full block."""
+        prompt = state.request.num_prompt_tokens
+        ends = {state.branch, (prompt - 1) // self.block_size, prompt // self.block_size}
+        return sorted(ends)
 
     def _state_saves(
         self, state: _RequestState, offers: list[tuple[int, int, int]]
@@ -1161,6 +1189,20 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         block_ids: list[BlockIds] = [StatePiece(ids, j) for j in range(len(pieces))]
         state.state_tails.append((pieces[-1], position + len(pieces)))
         return [SaveSpec(state.request.request_id, block_ids, pieces, keys[position], position + 1)]
+
+    def _reply_window(self, state: _RequestState, tables: tuple[list[int], ...]) -> bool:
+        """Whether the request's last saved position is past its prompt's and gets a
+        window of its own (``_save_specs`` saved those up to the prompt's end): then its
+        save goes to the workers next step, with the request among those they report
+        copied (vLLM holds its blocks until then)."""
+        end = state.num_saved
+        if not self._windows or self._state_groups or end <= self._prompt_windows(state)[-1]:
+            return False
+        save = self._state_save(state, end - 1, self._state_ids(tables, end - 1, 0))
+        if save:
+            self._final_saves.extend(save)
+            self._sending.append(state.request.request_id)
+        return bool(save)
 
     def _note(self, state: _RequestState, start: int, end: int) -> None:
         """Blocks ``start..end`` of the request go to the workers: their KV events may

@@ -79,6 +79,7 @@ class EngineSpec:
     max_model_len: int | None = None  # None: the model's own
     num_blocks: int | None = None  # vLLM's own KV blocks (None: as many as fit)
     seed: int = 0
+    mamba_ssm_cache_dtype: str = "auto"  # vLLM's --mamba-ssm-cache-dtype
 
 
 @dataclass
@@ -162,6 +163,7 @@ def _serve(spec: EngineSpec) -> EngineReport:
         seed=spec.seed,
         kv_transfer_config=transfer,
         disable_log_stats=False,  # per-request metrics: the time to first token
+        mamba_ssm_cache_dtype=spec.mamba_ssm_cache_dtype,
     )
     params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0)
     scheduler_config = llm.llm_engine.vllm_config.scheduler_config

@@ -217,6 +217,7 @@ class Engine:
         # reported it, in whichever steps they did.
         self.aggregator = KVOutputAggregator(tp)
         self.failed: set[str] = set()  # requests whose load failed, as vLLM was told
+        self.freed: set[str] = set()  # finished requests whose blocks vLLM held, then freed
 
     def get_block_ids(self, req_id: str) -> tuple[list[int]]:
         return self.tables[req_id].get_block_ids()
@@ -261,6 +262,7 @@ class Engine:
                 finished_recving=results.finished_recving,
                 invalid_block_ids=worker.get_block_ids_with_load_errors(),
                 failed_recving=results.failed_recving,
+                finished_sending=results.finished_sending,
                 kv_connector_worker_meta=worker.build_connector_worker_meta(),
             )
             outputs.append(ModelRunnerOutput([], {}, kv_connector_output=output))
@@ -268,6 +270,7 @@ class Engine:
         output = self.aggregator.aggregate(outputs).kv_connector_output
         self.scheduler.update_connector_output(output)
         self.failed |= output.failed_recving
+        self.freed |= output.finished_sending or set()
         return output.finished_recving or set(), output.invalid_block_ids
 
     def run_another(self) -> None:
@@ -1316,6 +1319,27 @@ def test_where_prompts_part_the_next_request_keeps_a_window_for_the_one_after(ti
     assert engine.admit(c, ([*range(9, 16)], [*range(0, 7)])) == (3 * BLOCK, True)
     engine.load()
     assert torch.equal(engine.kv(0, [1, 2])[1], engine.kv(0, [9, 10])[1])
+
+
+def test_a_reply_past_the_prompt_gets_a_window_while_vllm_holds_the_blocks_for_it(
+    tiny_model, engines
+):
+    engine = engines(tiny_model, _host_only(), window=True)
+    chain = _hashes(70, 6)
+    # A prompt of 2 blocks and a token, and a reply that fills 2 more blocks.
+    a = Request("a", chain[:4], 4 * BLOCK + 1, num_prompt_tokens=2 * BLOCK + 1)
+    table = ([1, 2, 3, 4, 5], [1, 2, 3, 4, 5])
+    engine.admit(a, table)
+    engine.step({"a": a.num_tokens})
+    a.num_computed_tokens = a.num_tokens
+    assert engine.scheduler.request_finished_all_groups(a, table) == (True, None)
+    engine.step({})  # the window's copy, then every worker reports the blocks free
+    assert engine.freed == {"a"}
+    # The next turn of the conversation hits the reply too.
+    b = _request("b", chain)
+    assert engine.admit(b, ([6, 7, 8, 9, 10, 11, 12], [0, 0, 6, 7, 8, 9, 10])) == (4 * BLOCK, True)
+    engine.load()
+    assert torch.equal(engine.kv(0, [6, 7])[1], engine.kv(0, [3, 4])[1])
 
 
 def test_a_window_vllm_allocated_past_what_kvtier_holds_is_a_failed_load(tiny_model, engines):

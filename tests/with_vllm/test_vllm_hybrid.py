@@ -30,6 +30,7 @@ from kvtier.integrations.vllm_engine import (
     run_engine,
     save_model,
 )
+from kvtier.workloads import ChatShape
 
 pytestmark = [pytest.mark.vllm, pytest.mark.long, pytest.mark.timeout(900)]
 
@@ -42,7 +43,13 @@ SERVED = PROMPTS + PROMPTS  # each once to compute it, then again to hit it
 
 
 def _engine(model: str, tmp_path: Path, kvtier: dict | None, prompts=SERVED) -> EngineReport:
-    spec = EngineSpec(model, prompts=prompts, kvtier=kvtier, reset_between=True, max_tokens=8)
+    # The SSM state in float32, as vLLM's CPU build picks it on CPUs with AVX-512 BF16
+    # (without, it keeps it in the model's dtype): the Qwen3-Next's block is then the
+    # same 288 tokens on every CPU. No other model here has one.
+    spec = EngineSpec(
+        model, prompts=prompts, kvtier=kvtier, reset_between=True, max_tokens=8,
+        mamba_ssm_cache_dtype="float32",
+    )  # fmt: skip
     return run_engine(spec, tmp_path)
 
 
@@ -117,6 +124,30 @@ def test_a_second_server_hits_what_the_first_stored_in_redis(
     past, boundary = (r.tokens_per_tier for r in other.requests)
     assert past == {"redis": 5 * BLOCK_SIZE}
     assert boundary == {"cpu": 4 * BLOCK_SIZE}
+
+
+CONVERSATION = ChatShape(conversations=1, turns=3, system_tokens=40, user_tokens=30,
+                         reply_tokens=70)  # fmt: skip
+
+
+def test_a_sliding_window_models_next_turn_hits_the_last_reply_too(tiny_gemma3, space):
+    def chat(kvtier: dict | None, name: str) -> EngineReport:
+        spec = EngineSpec(
+            tiny_gemma3, chat=CONVERSATION, max_tokens=CONVERSATION.reply_tokens,
+            kvtier=kvtier, reset_between=True,
+        )  # fmt: skip
+        return run_engine(spec, space / name)
+
+    host = {"model": "tiny-gemma3-chat", "tiers": {"cpu": {"capacity": "4MiB"}}}
+    alone, cached = chat(None, "chat-alone"), chat(host, "chat")
+    assert [r.tokens for r in cached.requests] == [r.tokens for r in alone.requests]
+    for before, turn in zip(cached.requests, cached.requests[1:]):
+        # Every full block of the last turn, its reply's included (vLLM computed all of it
+        # but the last token), up to the block of this prompt's last token.
+        computed = before.prompt_tokens + len(before.tokens) - 1
+        blocks = min(computed, turn.prompt_tokens - 1) // BLOCK_SIZE
+        assert turn.tokens_per_tier == {"cpu": blocks * BLOCK_SIZE}
+        assert computed // BLOCK_SIZE > before.prompt_tokens // BLOCK_SIZE  # past the prompt
 
 
 def test_a_model_of_other_groups_under_the_same_name_misses_what_the_first_stored(
