@@ -142,14 +142,16 @@ def connector_worker(
     kv_factor: int = 2,
     states: Sequence[torch.Tensor] = (),
     state_groups: Sequence[int] = (),
+    windows: Sequence[tuple[torch.Tensor, int]] = (),
 ) -> ConnectorCache:
     """A worker's cache below the engine's KV tensors ``layers`` (``kv_layers(device)``
-    by default) as 16 engine blocks, and its recurrent ``states`` (layer i's blocks in
-    state group ``state_groups[i]``), with a host pool of ``host_blocks`` and, with
-    ``disk``, an LMDB tier of 4-block chunks; a waiting request's stage may take the
-    whole pool."""
+    by default) as 16 engine blocks, its recurrent ``states`` (layer i's blocks in
+    state group ``state_groups[i]``) and ``windows`` (``EngineKV``'s), block 0 the
+    engine's null block, with a host pool of ``host_blocks`` and, with ``disk``, an LMDB
+    tier of 4-block chunks; a waiting request's stage may take the whole pool."""
     layers = kv_layers(device) if layers is None else layers
-    kv = EngineKV([engine_blocks(t, 16) for t in layers], states=states, state_groups=state_groups)
+    blocks = [engine_blocks(t, 16) for t in layers]
+    kv = EngineKV(blocks, (), 0, states, state_groups, windows)
     heads, head_dim = (2, 8) if kv_factor == 2 else (1, 32)
     block_size = 4 * len(layers[0]) // 16
     layout = engine_layout(kv, block_size, heads, head_dim, kv_factor)
@@ -303,6 +305,31 @@ def test_a_recurrent_states_pieces_load_bit_exact_into_other_state_blocks(device
             assert torch.equal(s[b].cpu(), state)
             untouched = [i for i in range(16) if i != b]
             assert torch.equal(s[untouched].cpu(), old[untouched])
+    finally:
+        cache.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_windows_pieces_load_bit_exact_around_the_null_block(device: str) -> None:
+    # A sliding-window layer kept as a state: its 2 blocks before a position, a layer
+    # block each, in a host slot of 2 layers: one piece.
+    window = kv_layers(device)[0]
+    cache = connector_worker(device, host_blocks=9, windows=[(window, 0), (window, 1)])
+    try:
+        assert cache.kv.num_pieces == 1
+        # The window before position 7 is in blocks 6 and 7; it loads into block 13
+        # alone: the engine holds the other block itself (the null block in its place).
+        saved_window = window[7].to("cpu", copy=True)
+        keys, saved = save_chain(cache, 0, [StatePiece((6, 7), 0)])
+        window.normal_()
+        before = window.to("cpu", copy=True)
+        hit = ConnectorHit(0, host_blocks=9, pieces=1)
+        loaded = [StatePiece((0, 13), 0)]
+        load_into_blocks_8_to_15(cache, keys, hit, asynchronous=False, pieces=loaded)
+        assert all(map(torch.equal, engine_kv(cache, slice(8, 16)), saved))
+        assert torch.equal(window[13].cpu(), saved_window)
+        untouched = [i for i in range(16) if i != 13]
+        assert torch.equal(window[untouched].cpu(), before[untouched])
     finally:
         cache.close()
 
