@@ -2,16 +2,19 @@
 
 A model with sliding-window layers beside full-attention ones (Gemma 3, gpt-oss) needs,
 at a hit that ends at position p, every full-attention layer's KV of positions 0..p but
-only the window before p of the sliding-window layers. Two ways to store it:
+only the window before p of the sliding-window layers. Ways to store it:
 
-- ``every block`` (kvtier today): each position holds every layer, so a hit can end at
-  any position any request stored;
-- ``windows``: each position holds its full-attention layers, and a sliding-window
+- ``every block``: each position holds every layer, so a hit can end at any position
+  any request stored;
+- ``prompt ends``: each position holds its full-attention layers, and a sliding-window
   layer's KV is stored only as the window before chosen ends: each request's last full
-  block, and (``windows + branch``) the position where its lookup found the stored chain
-  ending, when no window is held there yet (the point where prompts diverge, so that the
-  next request sharing that prefix hits there). A hit ends at the last position of the
-  held chain that has a window.
+  block and the last block a repeat of it can hit;
+- ``+ where prompts part`` (kvtier's): also the position where the request's lookup
+  found the stored positions running on past the last window held (where prompts
+  diverge: the next request sharing that prefix hits there). kvtier keeps one at a
+  reply's end too; the trace has no replies.
+
+A hit ends at the last position of the held chain that has a window.
 
 This models both policies over the Mooncake trace (``../shared/traces``), in whole trace
 blocks of 512 tokens (the trace's prompts share and diverge only there), one LRU store of
@@ -39,7 +42,7 @@ from kvtier.replay import TRACE_BLOCK, TraceRequest, distinct_blocks, read_trace
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 CAPACITIES = (0.05, 0.1, 0.2, 0.4, None)  # of every block's unbounded footprint; None: unbounded
-POLICIES = ("every block", "windows", "windows + branch")
+POLICIES = ("every block", "prompt ends", "+ where prompts part")
 
 
 @dataclass(frozen=True)
@@ -116,8 +119,8 @@ def replay(
         prompt_tokens += req.input_length
         for t in range(full):
             store.put(ids[t], model.position_cost(policy))
-        ends = {full} if full and policy != "every block" else set()
-        if policy == "windows + branch" and held > hit:
+        ends = {full, limit} - {0} if policy != "every block" else set()
+        if policy == "+ where prompts part" and held > hit:
             ends.add(held)  # where the stored chain ends: the next one sharing it hits there
         for end in sorted(ends):
             store.put(("window", ids[end - 1]), model.window_cost(end))
