@@ -1,4 +1,5 @@
-"""`kvtier demo --engine vllm`: the chat through vLLM with kvtier answers like vLLM alone."""
+"""`kvtier demo --engine vllm`: the chat through vLLM with kvtier answers like vLLM alone.
+Two vLLM engines of minutes together: ``long`` (``make test-long``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 
 from kvtier.cli import main
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.long]
 
 
 def test_vllm_demo_serves_from_kvtier_and_every_reply_equals_vllm_alone(tmp_path, capsys):
