@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_cache_host import make_cache, prompt
+from test_relay import blocks_of, make_kv, relay
 
 from kvtier.block_manager import StaleHitError
 from kvtier.cache import TieredCache
@@ -373,3 +374,14 @@ def test_copy_blocks_to_a_destination_named_twice_keeps_the_last_source(
     back = torch.zeros(8, 16)
     copy_blocks(gpu, [1, 6, 3, 1], back, [4, 0, 4, 2])
     assert torch.equal(back[4], host[2]) and torch.equal(back[0], host[7])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_relay_between_two_ranks_on_the_device_moves_the_holders_blocks_bit_exact(
+    device: str,
+) -> None:
+    holder, other = make_kv(True, device), make_kv(False, device)
+    loads = ([[0, 1, 2], [5]], [[4, 6, 7], [3]])
+    assert relay((holder, other), loads, [3, 1])[:2] == ([3, 1], [3, 1])
+    for got, want in zip(blocks_of(other, [4, 6, 7, 3]), blocks_of(holder, [0, 1, 2, 5])):
+        assert torch.equal(got, want)
