@@ -1079,18 +1079,24 @@ class ConnectorCache:
         self.below.flush()
 
     def wait_loads(
-        self, timeout: float | None = None, req_ids: Iterable[str] | None = None
+        self,
+        timeout: float | None = None,
+        req_ids: Iterable[str] | None = None,
+        copies: bool = False,
     ) -> None:
         """Wait until every started load and stage that runs on a worker (only the loads
         of ``req_ids`` when given) is over, or ``timeout`` seconds have passed;
         ``finished_loads`` then reports those over (the others are copies that ``load``
-        itself ran or queued)."""
+        itself ran or queued, waited for too with ``copies``: a host sync on CUDA)."""
         with self._lock:
             if req_ids is None:
                 loads = [*self._loads.values(), *self._stages.values()]
             else:
                 loads = [self._loads[r] for r in req_ids if r in self._loads]
             reading = [p for p in loads if p.started and not p.inline]
+            queued = [p.transfer for p in loads if p.inline] if copies else []
+        for transfer in queued:
+            transfer.join()
         deadline = None if timeout is None else time.monotonic() + timeout
         for p in reading:
             left = None if deadline is None else deadline - time.monotonic()

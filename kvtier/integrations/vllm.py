@@ -48,6 +48,10 @@ a prompt's end and where the request's prompt parts from the positions held past
 last window held (``_save_specs``), and before a reply's end once the request finishes
 (vLLM holds its blocks until the workers have copied it: ``finished_sending``), so
 that a hit reads one window, not every block's.
+Where every tensor-parallel rank holds the same KV (MLA), the first rank holds it below
+for the group and relays each load to the others (``kvtier.relay``): a sync load in its
+step, an async one at the start of the step after the first rank reports it over
+(``KVTierWorkerMeta.relays``, then ``KVTierMetadata.relays``).
 With several groups every load is asynchronous and a failed one is
 reported by request (``get_transfer_results``): vLLM stops the engine on failed block
 ids it cannot map to one request.
@@ -143,10 +147,12 @@ from kvtier.integrations.vllm_metrics import (
     hook_counters,
     stage_counters,
 )
+from kvtier.relay import Relay
 from kvtier.threads import process_cpus
 from kvtier.trace import Trace
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
     from vllm.config import ParallelConfig, VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
@@ -210,9 +216,12 @@ class KVTierHandshake(KVConnectorHandshakeMetadata):
 
 @dataclass
 class KVTierWorkerMeta(KVConnectorWorkerMetadata):
-    """Each shard's report of one step (``ShardReport``), by shard."""
+    """Each shard's report of one step (``ShardReport``), by shard; ``relays``: the
+    async loads that ended on a holder since (``Relay``), for the other ranks of its
+    group, by the group's ``Shard.keys``."""
 
     reports: dict[str, ShardReport]
+    relays: dict[str, list[str]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """One report per shard: two of the same shard (a replayed one beside a newer
@@ -221,7 +230,11 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
         reports = dict(self.reports)
         for shard, report in other.reports.items():
             reports[shard] = reports[shard].merged(report) if shard in reports else report
-        return KVTierWorkerMeta(reports)
+        relays = {
+            g: self.relays.get(g, []) + other.relays.get(g, [])
+            for g in {**self.relays, **other.relays}
+        }
+        return KVTierWorkerMeta(reports, relays)
 
 
 @dataclass(frozen=True)
@@ -275,7 +288,9 @@ class KVTierMetadata(KVConnectorMetadata):
     ``tails``: the last saved block (base key, chain position) of each request that
     finished, whose partial chunk goes to the write-through tiers after the saves.
     ``sending``: finished requests whose blocks vLLM holds until this step's saves have
-    copied them (``finished_sending``)."""
+    copied them (``finished_sending``). ``relays``: async loads a holder has ended, to
+    relay to the other ranks of its group before this step's loads (``Relay``), by the
+    group's ``Shard.keys``."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
@@ -286,6 +301,7 @@ class KVTierMetadata(KVConnectorMetadata):
     keep: list[list[bytes]] = field(default_factory=list)
     unstaged: list[str] = field(default_factory=list)
     sending: list[str] = field(default_factory=list)
+    relays: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -332,11 +348,15 @@ class Shard:
     rank among how many; ``keys`` the name its keys are made from, the same for ranks
     that hold the same KV (``replicas`` consecutive TP ranks: MLA's one latent on every
     rank, KV heads fewer than ranks), so that one copy is stored below; ``writes``:
-    whether it writes that copy to the spill tiers (the first of its replicas)."""
+    whether it writes that copy to the spill tiers (the first of its replicas).
+    ``relayed``: every rank of its TP group holds the same KV, so the first one holds
+    it below for all (host pool, reads and writes) and relays their loads to them
+    (``kvtier.relay``)."""
 
     name: str
     keys: str
     writes: bool
+    relayed: bool = False
 
     @classmethod
     def of(cls, parallel: ParallelConfig, replicas: int = 1) -> Shard:
@@ -349,7 +369,13 @@ class Shard:
             tp, pp = parallel.rank % tp_size, parallel.rank // tp_size % pp_size
         name = f"tp{tp}/{tp_size} pp{pp}/{pp_size}"
         keys = f"tp{tp // replicas}/{tp_size // replicas} pp{pp}/{pp_size}"
-        return cls(name, keys, tp % replicas == 0)
+        return cls(name, keys, tp % replicas == 0, 1 < replicas == tp_size)
+
+
+def tp_groups() -> tuple[ProcessGroup, ProcessGroup]:
+    """This worker's tensor-parallel group: on its device, and on the CPU."""
+    group = get_tp_group()
+    return group.device_group, group.cpu_group
 
 
 def omp_cpus(environ: Mapping[str, str]) -> set[int] | None:
@@ -436,6 +462,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._tails: list[tuple[bytes, int]] = []  # of requests finished (``KVTierMetadata``)
         self._final_saves: list[SaveSpec] = []  # of requests finished, whose blocks vLLM
         self._sending: list[str] = []  # holds until the workers have copied them
+        self._relays: dict[str, list[str]] = {}  # async loads holders ended, by group
         # Each shard's last report applied (its origin and seq only): ``_fresh``.
         self._applied: dict[str, ShardReport] = {}
         cpu = self.config.tiers.cpu
@@ -451,6 +478,15 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self.num_load_errors = 0  # blocks reported to vLLM as not loaded, in all
         self._failed_now: set[str] = set()  # requests whose sync load failed this step
         self._sent: set[str] = set()  # finished requests whose held blocks are copied
+        # Where every TP rank holds the same KV (``Shard.relayed``): the group's relay and
+        # name (``Shard.keys``), the blocks of each load not relayed yet, and on the
+        # holder the blocks each load that ended failed to load and the async ones among
+        # them to report.
+        self._relay: Relay | None = None
+        self._relay_group = ""
+        self._unrelayed: dict[str, list[BlockIds]] = {}
+        self._failed_of: dict[str, int] = {}
+        self._relay_ready: list[str] = []
         # kvtier's tiers as KV events (scheduler side), only with --kv-events-config.
         self.events: TierEvents | None = None
         if role is KVConnectorRole.SCHEDULER:
@@ -472,6 +508,18 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         kv, layout = engine_kv(kv_caches, self._kv_cache_config, self._groups)
         shard = Shard.of(self._vllm_config.parallel_config, self._kv_cache_config.kv_tp_replicas)
         self._guarded("register_kv_caches", self._warn_about_binding)
+        if shard.relayed:
+            self._relay = Relay(kv, *tp_groups(), holder=shard.writes)
+            self._relay_group = shard.keys
+        if shard.relayed and not shard.writes:
+            log.info(
+                "kvtier: connector on %s (%s), shard %s: the first rank holds its KV below "
+                "and relays its loads",
+                kv.describe(),
+                layout.describe(),
+                shard.name,
+            )
+            return
         self._cache = ConnectorCache(
             self.config, kv, layout, self._name, shard.name, shard.keys, shard.writes
         )
@@ -484,18 +532,24 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             shard.name,
             "" if shard.writes else f" (a replica of {shard.keys}'s KV: stored once, by it)",
         )
+        if self._relay is not None:
+            log.info("kvtier: it holds its TP group's KV below and relays its loads")
 
     def unregister_kv_caches(self) -> None:
         """vLLM is about to unmap its KV tensors (sleep, or a discard of the KV cache):
         returns once no copy of a load or save in flight can touch them, and none starts
         until ``restore_kv_caches`` (the loads over are reported in the next
         ``get_finished``). The host pool and the tiers below keep what they hold."""
+        if self._relay is not None:
+            self._relay.attached = False
         if self._cache is not None:
             self._guarded("unregister_kv_caches", self._cache.detach)
             self._collect_loads()
 
     def restore_kv_caches(self) -> None:
         """vLLM mapped its KV tensors again (wake-up): loads and saves copy again."""
+        if self._relay is not None:
+            self._relay.attached = True
         if self._cache is not None:
             self._guarded("restore_kv_caches", self._cache.attach)
 
@@ -504,21 +558,33 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     @timed
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Start this step's loads (host hits are copied now, spill hits on a worker),
-        then its stages (on a worker too)."""
+        """Relay the async loads a holder has ended, start this step's loads (host hits
+        are copied now, spill hits on a worker) and relay the sync ones, then start its
+        stages (on a worker too)."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVTierMetadata)
-        if meta.reset:
-            self._guarded("reset", self.cache.reset)
+        if meta.reset and self._cache is not None:
+            self._guarded("reset", self._cache.reset)
+        if self._relay is not None and self._relay_group in meta.relays:
+            self._relay_loads(meta.relays[self._relay_group])
         for spec in meta.loads:
             if spec.asynchronous:
                 self._async_loads[spec.req_id] = spec.block_ids
+            if self._relay is not None:
+                self._unrelayed[spec.req_id] = spec.block_ids
+            if self._cache is None:  # the holder's relay brings it
+                continue
             if spec.hit is None or not self._guarded("start_load_kv", self._start_load, spec):
                 self._fail_load(spec)
         sync = [spec.req_id for spec in meta.loads if not spec.asynchronous]
-        if sync:  # this step computes with them: their spill reads must be in place
-            self._guarded("start_load_kv", self.cache.wait_loads, None, sync)
+        if sync and self._cache is not None:  # this step computes with them: in place now
+            copies = self._relay is not None  # the relay reads what the copies wrote
+            self._guarded("start_load_kv", self._cache.wait_loads, None, sync, copies)
             self._collect_loads()  # see which sync loads failed before saving below
+        if sync and self._relay is not None:
+            self._relay_loads(sync)
+        if self._cache is None:
+            return
         for req_id in meta.unstaged:  # after the loads: they count the staged blocks used
             self._guarded("start_load_kv", self.cache.unstage, req_id)
         if meta.keep:  # before the stages evict
@@ -544,13 +610,15 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         partial last chunks of requests that finished to the write-through tiers."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVTierMetadata)
+        self._sent.update(meta.sending)  # their copies are ordered before any reuse
+        if self._cache is None:  # the holder saves what this rank computes
+            return
         for spec in meta.saves:
             if spec.req_id not in self._failed_now:  # else computed from bad KV
                 self._guarded("wait_for_save", self._save, spec)
         self._failed_now.clear()
         for key, position in meta.tails:  # after the saves: the tails are host blocks
             self._guarded("wait_for_save", self._write_tail, key, position)
-        self._sent.update(meta.sending)  # their copies are ordered before any reuse
 
     @timed
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
@@ -597,7 +665,11 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if self._cache is None:
             return None
         report = self._guarded("build_connector_worker_meta", self._cache.take_report)
-        return KVTierWorkerMeta({self._cache.shard: report}) if report else None
+        relays, self._relay_ready = self._relay_ready, []
+        if not report and not relays:
+            return None
+        reports = {self._cache.shard: report} if report else {}
+        return KVTierWorkerMeta(reports, {self._relay_group: relays} if relays else {})
 
     @timed
     def get_kv_connector_stats(self) -> KVTierStats | None:
@@ -671,9 +743,34 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _fail_load(self, spec: LoadSpec) -> None:
         """Report every block of ``spec`` as not loaded; an async load is over."""
-        self._report_failed(spec.req_id, spec.block_ids)
-        if self._async_loads.pop(spec.req_id, None) is not None:
-            self._recving.add(spec.req_id)
+        self._ended(spec.req_id, spec.block_ids)
+
+    def _ended(self, req_id: str, failed: list[BlockIds]) -> None:
+        """The load of ``req_id`` is over on this rank, ``failed`` its blocks not loaded:
+        vLLM hears of it (an async one in the next ``get_finished``); a holder relays it
+        to the other ranks (an async one once the scheduler has heard of it)."""
+        if self._async_loads.pop(req_id, None) is not None:
+            self._recving.add(req_id)
+            if self._relay is not None and self._relay.holder:
+                self._relay_ready.append(req_id)
+        self._report_failed(req_id, failed)
+        if self._relay is not None and self._relay.holder:
+            self._failed_of[req_id] = len(failed)
+
+    def _relay_loads(self, req_ids: list[str]) -> None:
+        """Relay the loads of ``req_ids`` from the holder (every rank of the group runs
+        this for the same loads, in this order); on the other ranks they end here, the
+        blocks the holder did not send not loaded."""
+        loads = [self._unrelayed.pop(r, None) for r in req_ids]
+        valid = [
+            len(blocks) - self._failed_of.pop(r, len(blocks)) if blocks is not None else 0
+            for r, blocks in zip(req_ids, loads)
+        ]
+        got = self._guarded("start_load_kv", self._relay.run, loads, valid) or [0] * len(loads)
+        if not self._relay.holder:
+            for req_id, blocks, n in zip(req_ids, loads, got):
+                if blocks is not None:
+                    self._ended(req_id, blocks[n:])
 
     def _write_tail(self, key: bytes, position: int) -> None:
         self.cache.write_tail(self.cache.keys([key])[0], position)
@@ -697,12 +794,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             self._guarded("get_finished", self._cache.wait_loads)
             finished = list(self._async_loads.items())
         for req_id, failed in finished:
-            if req_id in self._async_loads:
-                del self._async_loads[req_id]
-                self._recving.add(req_id)
-                self._report_failed(req_id, failed)
-            elif failed:
-                self._report_failed(req_id, failed)
+            self._ended(req_id, failed)
 
     def _report_failed(self, req_id: str, blocks: list[BlockIds]) -> None:
         if blocks:
@@ -837,9 +929,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             tails=self._tails,
             saves=self._final_saves,
             sending=self._sending,
+            relays=self._relays,
         )
         self._loads, self._reset, self._unstaged, self._tails = [], False, [], []
-        self._final_saves, self._sending = [], []
+        self._final_saves, self._sending, self._relays = [], [], {}
         self._running = set(scheduler_output.num_scheduled_tokens)
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(req_id)
@@ -866,6 +959,11 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         rule), so their retry recomputes instead."""
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, KVTierWorkerMeta):
+            # Every one, whether or not the request is still here: the other ranks wait
+            # for it, and vLLM holds the request's blocks until they have it.
+            for group, req_ids in meta.relays.items():
+                relays = self._relays.setdefault(group, [])
+                relays.extend(r for r in req_ids if r not in relays)
             reports = self._fresh(meta.reports)
             self._guarded("update_connector_output", self.index.apply, reports)
             if self.events is not None:

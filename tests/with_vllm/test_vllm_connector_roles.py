@@ -14,10 +14,13 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
+from unittest.mock import patch
 
 import pytest
 import torch
+import torch.distributed as dist
 
 pytest.importorskip("vllm")
 from redis_servers import LOCAL_URL, delete_prefix, unique_prefix, wait_until  # noqa: E402
@@ -183,8 +186,25 @@ def _kv_caches(tp: int, mla: bool, state: bool) -> dict[str, torch.Tensor]:
     return kv
 
 
+def _gloo_groups(size: int) -> list[tuple[dist.ProcessGroup, dist.ProcessGroup]]:
+    """A tensor-parallel group of ``size`` ranks in this process, as vLLM's ``tp_groups``
+    gives each rank: (its device group, its CPU group), both gloo on the CPU."""
+    store = dist.HashStore()
+
+    def rank_groups(rank: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+        return tuple(
+            dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, size, timedelta(seconds=60))
+            for name in ("device", "cpu")
+        )
+
+    with ThreadPoolExecutor(size) as pool:  # each rank's construction waits for the others
+        return list(pool.map(rank_groups, range(size)))
+
+
 class Engine:
-    """A scheduler-side connector and ``tp`` worker-side ones, wired as vLLM wires them."""
+    """A scheduler-side connector and ``tp`` worker-side ones, wired as vLLM wires them.
+    With ``mla`` at ``tp`` > 1 the workers' hooks run side by side, one thread per rank,
+    as vLLM's worker processes do: every rank takes part in its group's relays."""
 
     def __init__(
         self,
@@ -198,12 +218,15 @@ class Engine:
         kv_cache_config = _kv_cache_config(tp, mla, window, state)
         self.workers = []  # first, as vLLM registers the KV caches before the scheduler
         self.registered: list[dict[str, torch.Tensor]] = []  # each worker's KV tensors
+        self.groups = _gloo_groups(tp) if mla and tp > 1 else None
         for rank in range(tp):
             worker = KVTierConnector(
                 _vllm_config(model, kvtier, tp, rank), KVConnectorRole.WORKER, kv_cache_config
             )
             self.registered.append(_kv_caches(tp, mla, state))
-            worker.register_kv_caches(self.registered[-1])
+            groups = self.groups[rank] if self.groups else None
+            with patch.object(kvtier_vllm, "tp_groups", lambda groups=groups: groups):
+                worker.register_kv_caches(self.registered[-1])
             self.workers.append(worker)
         self.scheduler = KVTierConnector(
             _vllm_config(model, kvtier, tp), KVConnectorRole.SCHEDULER, kv_cache_config
@@ -252,8 +275,8 @@ class Engine:
         the requests whose load failed in ``failed``."""
         block_state = BlockState(states) if states else None
         meta = self.scheduler.build_connector_meta(SchedulerOutput(scheduled, block_state))
-        outputs = []
-        for worker in self.workers:
+
+        def run(worker: KVTierConnector) -> ModelRunnerOutput:
             worker.bind_connector_metadata(meta)
             worker.start_load_kv(None)
             worker.wait_for_save()
@@ -265,8 +288,14 @@ class Engine:
                 finished_sending=results.finished_sending,
                 kv_connector_worker_meta=worker.build_connector_worker_meta(),
             )
-            outputs.append(ModelRunnerOutput([], {}, kv_connector_output=output))
             worker.clear_connector_metadata()
+            return ModelRunnerOutput([], {}, kv_connector_output=output)
+
+        if self.groups:
+            with ThreadPoolExecutor(len(self.workers)) as pool:
+                outputs = list(pool.map(run, self.workers))
+        else:
+            outputs = [run(worker) for worker in self.workers]
         output = self.aggregator.aggregate(outputs).kv_connector_output
         self.scheduler.update_connector_output(output)
         self.failed |= output.failed_recving
@@ -295,7 +324,8 @@ class Engine:
         are over; returns (loads over, failed blocks) of both."""
         done, errors = self.step({})
         for w in self.workers:
-            w.cache.wait_loads()
+            if w._cache is not None:  # else a rank whose loads its group's holder relays
+                w.cache.wait_loads()
         more_done, more_errors = self.step({})
         return done | more_done, errors | more_errors
 
@@ -1235,26 +1265,77 @@ def _redis_through(prefix: str) -> dict:
     return config
 
 
-def test_an_mla_models_latent_is_stored_once_at_tp_2_and_every_rank_loads_it(
+def _mla_on_redis(tiny_model, engines, prefix: str, chain: list[bytes]) -> list[torch.Tensor]:
+    """Serve ``chain`` once on an MLA engine at TP=2 writing through to Redis, then stop
+    it; returns the latent it computed for the chain's blocks."""
+    writer = engines(tiny_model, _redis_through(prefix), tp=2, mla=True)
+    writer.serve(_request("w", chain), [0, 1, 2, 3, 4])
+    writer.workers[0].cache.flush()
+    saved = writer.kv(0, [0, 1, 2, 3])
+    writer.close()
+    return saved
+
+
+def test_an_mla_models_latent_is_held_and_stored_once_at_tp_2_by_the_first_rank(
     tiny_model, engines, redis_prefix
 ):
-    chain = _hashes(40, 4)
-    writer = engines(tiny_model, _redis_through(redis_prefix), tp=2, mla=True)
-    writer.serve(_request("w", chain), [0, 1, 2, 3, 4])
-    saved = writer.kv(0, [0, 1, 2, 3])
-    for worker in writer.workers:
-        worker.cache.flush()
-    written = [w.cache.counters()["redis"].blocks_in for w in writer.workers]
-    assert written == [4, 0]  # rank 1 holds the same latent: rank 0 stores it
-    writer.close()
+    engine = engines(tiny_model, _redis_through(redis_prefix), tp=2, mla=True)
+    engine.serve(_request("w", _hashes(40, 4)), [0, 1, 2, 3, 4])
+    holder, other = engine.workers
+    holder.cache.flush()
+    assert holder.cache.counters()["redis"].blocks_in == 4
+    assert holder.cache.counters()["cpu"].blocks_in == 4
+    assert other._cache is None  # no host pool, no tiers: rank 0 holds the group's latent
+    assert [s.name for s in engine.scheduler.index.shards] == ["tp0/2 pp0/1"]
 
+
+def test_an_mla_hit_at_tp_2_is_read_once_and_relayed_to_the_other_rank(
+    tiny_model, engines, redis_prefix
+):
+    chain = _hashes(41, 4)
+    saved = _mla_on_redis(tiny_model, engines, redis_prefix, chain)
     reader = engines(tiny_model, _redis_through(redis_prefix), tp=2, mla=True)  # a restart
     assert reader.admit(_request("r", chain), [5, 6, 7, 8, 9]) == (4 * BLOCK, False)
-    reader.step({"r": 1})
+    assert reader.step({"r": 1}) == (set(), set())
     for rank in (0, 1):
         for got, want in zip(reader.kv(rank, [5, 6, 7, 8]), saved, strict=True):
             assert torch.equal(got, want)
-    assert [w.cache.counters()["redis"].blocks_out for w in reader.workers] == [4, 4]
+    redis = reader.workers[0].cache.counters()["redis"]
+    assert (redis.blocks_out, redis.bytes_out) == (
+        4,
+        4 * reader.workers[0].cache.layout.block_nbytes,
+    )
+    assert [w._relay.blocks for w in reader.workers] == [4, 4]
+
+
+def test_an_async_mla_load_ends_on_the_other_rank_once_the_holder_relayed_it(tiny_model, engines):
+    engine = engines(tiny_model, _host_only(), tp=2, mla=True)
+    chain = _hashes(42, 4)
+    engine.serve(_request("a", chain), [0, 1, 2, 3, 4])
+    saved = engine.kv(0, [0, 1, 2, 3])
+    engine.run_another()
+    assert engine.admit(_request("b", chain), [5, 6, 7, 8, 9]) == (4 * BLOCK, True)
+    holder, other = engine.workers
+    assert engine.step({}) == (set(), set())  # over on the holder, which reports it
+    assert holder._relay.blocks == 0 and other._async_loads
+    assert engine.step({}) == ({"b"}, set())  # relayed: over on every rank
+    for got, want in zip(engine.kv(1, [5, 6, 7, 8]), saved, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_an_mla_load_the_holder_cannot_read_fails_on_every_rank(
+    tiny_model, engines, redis_prefix, real_client
+):
+    chain = _hashes(43, 4)
+    _mla_on_redis(tiny_model, engines, redis_prefix, chain)
+    reader = engines(tiny_model, _redis_through(redis_prefix), tp=2, mla=True)
+    before = reader.kv(1, [5, 6, 7, 8])
+    assert reader.admit(_request("r", chain), [5, 6, 7, 8, 9]) == (4 * BLOCK, False)
+    delete_prefix(real_client, redis_prefix)  # gone between the lookup and the load
+    assert reader.step({"r": 1}) == (set(), {5, 6, 7, 8})  # vLLM recomputes them
+    assert [w.num_load_errors for w in reader.workers] == [4, 4]
+    for got, want in zip(reader.kv(1, [5, 6, 7, 8]), before, strict=True):
+        assert torch.equal(got, want)  # nothing written where nothing was loaded
 
 
 # ------------------------------------------------- hybrid: full attention and a window
