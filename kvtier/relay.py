@@ -33,7 +33,7 @@ from kvtier.connector import BlockIds, EngineKV
 
 log = logging.getLogger(__name__)
 
-PIECE_BYTES = 64 << 20  # at most this much KV in one broadcast (a buffer on the device)
+PIECE_BYTES = 64 << 20  # at most this much KV in one broadcast (its buffer on the device)
 
 
 class Relay:
@@ -55,6 +55,12 @@ class Relay:
         self.attached = True
         self._data, self._control = data, control
         self._piece_blocks = max(1, piece_bytes // (len(kv.layers) * kv.block_nbytes))
+        # The pieces' buffer, kept from relay to relay: a fresh one costs more than the
+        # copies on the CPU (its pages are faulted in anew), and on CUDA the caching
+        # allocator would keep its memory anyway.
+        self._buffer = torch.empty(
+            0, len(kv.layers), *kv.block_shape, dtype=kv.dtype, device=kv.device
+        )
         self.blocks = 0  # blocks relayed (sent by the holder, received by the others)
 
     def run(self, loads: Sequence[Sequence[BlockIds] | None], valid: Sequence[int]) -> list[int]:
@@ -91,9 +97,9 @@ class Relay:
         """Relay the blocks ``piece`` names ((load, block) pairs): whether the holder
         could gather them (else no rank writes any)."""
         kv = self.kv
-        buffer = torch.empty(
-            len(piece), len(kv.layers), *kv.block_shape, dtype=kv.dtype, device=kv.device
-        )
+        if len(self._buffer) < len(piece):
+            self._buffer = self._buffer.new_empty(len(piece), *self._buffer.shape[1:])
+        buffer = self._buffer[: len(piece)]
         slots = list(range(len(piece)))
         gathered = torch.ones(1, dtype=torch.uint8)
         if self.holder:
