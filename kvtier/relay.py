@@ -94,8 +94,10 @@ class Relay:
         loads: Sequence[Sequence[BlockIds] | None],
         targets: list[Sequence[BlockIds] | None],
     ) -> bool:
-        """Relay the blocks ``piece`` names ((load, block) pairs): whether the holder
-        could gather them (else no rank writes any)."""
+        """Relay the blocks ``piece`` names ((load, block) pairs): whether they are in
+        place on this rank. Where the holder cannot gather them no rank writes any;
+        where this rank cannot scatter them its loads fail here, and the relay goes on
+        (the other ranks are in it)."""
         kv = self.kv
         if len(self._buffer) < len(piece):
             self._buffer = self._buffer.new_empty(len(piece), *self._buffer.shape[1:])
@@ -105,7 +107,7 @@ class Relay:
         if self.holder:
             try:
                 kv.copy_to(buffer, [loads[i][j] for i, j in piece], slots)
-            except Exception as e:  # never raised: the loads are failed on every rank
+            except Exception as e:  # never raised: the loads fail on every rank
                 log.warning("kvtier: relay of %d blocks failed: %s", len(piece), e)
                 gathered[0] = 0
         self._broadcast(self._control, gathered)
@@ -114,7 +116,11 @@ class Relay:
         self._broadcast(self._data, buffer.view(-1).view(torch.uint8))
         mine = [(s, targets[i][j]) for s, (i, j) in enumerate(piece) if targets[i] is not None]
         if mine and not self.holder:
-            kv.copy_from(buffer, [s for s, _ in mine], [b for _, b in mine])
+            try:
+                kv.copy_from(buffer, [s for s, _ in mine], [b for _, b in mine])
+            except Exception as e:  # never raised: the loads fail on this rank
+                log.warning("kvtier: relay of %d blocks failed here: %s", len(mine), e)
+                return False
         return True
 
     @staticmethod

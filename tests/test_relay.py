@@ -94,3 +94,11 @@ def test_a_piece_the_holder_cannot_gather_fails_its_loads_on_every_rank_and_is_n
     assert got == ([0, 0, 1], [0, 0, 1])
     assert not any(t[[1, 2]].any() for t in other.layers)
     assert torch.equal(blocks_of(other, [3])[0], blocks_of(holder, [2])[0])
+
+
+def test_a_piece_a_rank_cannot_scatter_fails_its_loads_there_and_the_relay_goes_on():
+    holder, other = make_kv(True), make_kv(False)
+    loads = ([[0], [1], [2]], [[1], [BLOCKS + 5], [3]])  # that rank has no block 13
+    got = relay((holder, other), loads, [1, 1, 1], piece_bytes=2 * BLOCK_NBYTES)[:2]
+    assert got == ([1, 1, 1], [0, 0, 1])
+    assert torch.equal(blocks_of(other, [3])[0], blocks_of(holder, [2])[0])
