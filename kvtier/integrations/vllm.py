@@ -141,6 +141,7 @@ from kvtier.integrations.vllm_metrics import (
     HOOKS,
     LOAD_ERRORS,
     PINNED,
+    RELAYED,
     Increments,
     KVTierPromMetrics,
     KVTierStats,
@@ -674,17 +675,20 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     @timed
     def get_kv_connector_stats(self) -> KVTierStats | None:
         """What kvtier's counters in this process gained since the last step: the
-        worker's tiers, load errors and pinned host slots (a level: its change), each
-        half's caught faults, and every ``HOOK_REPORT_PERIOD`` the hooks' costs (this
-        hook's as of its last call)."""
+        worker's tiers, load errors, pinned host slots (a level: its change) and blocks
+        relayed to it, each half's caught faults, and every ``HOOK_REPORT_PERIOD`` the
+        hooks' costs (this hook's as of its last call)."""
         flat = {FAULTS: sum(self.faults.values())}
         now = time.monotonic()
         if now - self._hooks_handed >= HOOK_REPORT_PERIOD:
             self._hooks_handed = now
             flat.update(hook_counters(self.hook_calls, self.hook_ns))
         tiers: dict[str, tuple[int, ...]] = {}
-        if self._cache is not None:
+        if self._cache is not None or self._relay is not None:  # a worker's
             flat[LOAD_ERRORS] = self.num_load_errors
+        if self._relay is not None and not self._relay.holder:
+            flat[RELAYED] = self._relay.blocks
+        if self._cache is not None:
             flat[PINNED] = self._cache.pinned_slots
             flat.update(stage_counters(self._cache.stage_counts))
             tiers = self._cache.counts()

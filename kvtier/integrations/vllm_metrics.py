@@ -60,6 +60,7 @@ if TYPE_CHECKING:
 LOAD_ERRORS = "load_error_blocks"  # blocks reported to vLLM as not loaded
 FAULTS = "faults"  # exceptions a connector hook caught
 PINNED = "host_pinned_blocks"  # host slots held by copies in flight: a gauge
+RELAYED = "relayed_blocks"  # blocks a rank received from its group's holder (``Relay``)
 TIERS = ("cpu", "disk", "redis")
 # The hooks that are timed, by the side of vLLM that calls them (vLLM's per-layer
 # hooks are not: kvtier does nothing in them, and a timer would cost more than they do).
@@ -90,6 +91,8 @@ EXTRA: dict[str, str] = {
     "staged_used_blocks": "Staged blocks that a request's load then used.",
     "staged_evicted_unused_blocks": "Staged blocks evicted from the host pool before any "
     "load used them.",
+    RELAYED: "Blocks that ranks of a tensor-parallel group whose ranks hold the same KV (MLA) "
+    "received from the rank that holds it below, instead of reading them below.",
 }
 
 

@@ -50,6 +50,7 @@ from kvtier.integrations.vllm import KVTierConnector  # noqa: E402
 from kvtier.integrations.vllm_layout import UnsupportedKVCache  # noqa: E402
 from kvtier.integrations.vllm_metrics import (  # noqa: E402
     PINNED,
+    RELAYED,
     SCHEDULER_HOOKS,
     STATS_HOOK,
     WORKER_HOOKS,
@@ -1306,6 +1307,7 @@ def test_an_mla_hit_at_tp_2_is_read_once_and_relayed_to_the_other_rank(
         4 * reader.workers[0].cache.layout.block_nbytes,
     )
     assert [w._relay.blocks for w in reader.workers] == [4, 4]
+    assert reader.workers[1].get_kv_connector_stats().data[RELAYED] == 4  # vLLM's /metrics
 
 
 def test_an_async_mla_load_ends_on_the_other_rank_once_the_holder_relayed_it(tiny_model, engines):
