@@ -437,6 +437,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._windows = [(g, window_blocks(self._groups[g])) for g in window_groups(self._groups)]
         self._windowed = windowed([self._groups[g] for g in self._position_groups])
         self._keeps_states = bool(self._state_groups or self._windows)  # a hit ends at one
+        # Windows kept as states of their own, where the scheduler picks the positions
+        # (beside Mamba state vLLM picks them, and the windows go with its states).
+        self._windows_alone = bool(self._windows and not self._state_groups)
         # vLLM maps load errors reported by block back to requests only for one group (for
         # more it stops the engine): a hybrid's loads are all asynchronous, and a failed
         # one is reported by request, so that vLLM recomputes it (``failed_recving``).
@@ -1079,9 +1082,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         hit = self.index.lookup(keys[:wanted], start)
         if self._keeps_states:
             held, hit = hit.start + hit.num_blocks, self._state_hit(keys, hit)
-            # Where prompts part, the positions held run on past the last state: the
-            # request saves a window there, so that the next one sharing them hits it.
-            state.branch = held if held > hit.start + hit.num_positions else 0
+            if self._windows_alone:
+                # Where prompts part, the positions held run on past the last state: the
+                # request saves a window there, so that the next one sharing them hits it.
+                state.branch = held if held > hit.start + hit.num_positions else 0
         state.last_lookup = _Lookup(now, start, wanted, hit)
         return hit
 
@@ -1243,7 +1247,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                     ids = table[first - start : i - start]
                     specs.append(SaveSpec(request.request_id, ids, keys[first:i], parent, first))
                 first = i + 1
-        if self._windows and not self._state_groups:  # the windows' own states
+        if self._windows_alone:
             for end in (e for e in self._prompt_windows(state) if start < e <= full):
                 specs.extend(self._state_save(state, end - 1, self._state_ids(tables, end - 1, 0)))
         return specs
@@ -1265,7 +1269,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         by_tokens: dict[int, dict[int, int]] = {}
         for group, block, tokens in offers:
             by_tokens.setdefault(tokens, {})[group] = block
-        tables = self._kv_cache_manager.get_block_ids(state.request.request_id)
+        # The windows' blocks go with each state (none to look up without windows).
+        tables = (
+            self._kv_cache_manager.get_block_ids(state.request.request_id) if self._windows else ()
+        )
         specs = []
         for tokens, blocks in sorted(by_tokens.items()):
             position = tokens // self.block_size - 1
@@ -1298,7 +1305,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         save goes to the workers next step, with the request among those they report
         copied (vLLM holds its blocks until then)."""
         end = state.num_saved
-        if not self._windows or self._state_groups or end <= self._prompt_windows(state)[-1]:
+        if not self._windows_alone or end <= state.request.num_prompt_tokens // self.block_size:
             return False
         save = self._state_save(state, end - 1, self._state_ids(tables, end - 1, 0))
         if save:
