@@ -615,12 +615,12 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVTierMetadata)
         self._sent.update(meta.sending)  # their copies are ordered before any reuse
+        failed, self._failed_now = self._failed_now, set()
         if self._cache is None:  # the holder saves what this rank computes
             return
         for spec in meta.saves:
-            if spec.req_id not in self._failed_now:  # else computed from bad KV
+            if spec.req_id not in failed:  # else computed from bad KV
                 self._guarded("wait_for_save", self._save, spec)
-        self._failed_now.clear()
         for key, position in meta.tails:  # after the saves: the tails are host blocks
             self._guarded("wait_for_save", self._write_tail, key, position)
 

@@ -1336,6 +1336,7 @@ def test_an_mla_load_the_holder_cannot_read_fails_on_every_rank(
     delete_prefix(real_client, redis_prefix)  # gone between the lookup and the load
     assert reader.step({"r": 1}) == (set(), {5, 6, 7, 8})  # vLLM recomputes them
     assert [w.num_load_errors for w in reader.workers] == [4, 4]
+    assert not any(w._failed_now for w in reader.workers)  # forgotten once the step is over
     for got, want in zip(reader.kv(1, [5, 6, 7, 8]), before, strict=True):
         assert torch.equal(got, want)  # nothing written where nothing was loaded
 
