@@ -3,7 +3,7 @@
 Where every tensor-parallel rank holds the same KV (MLA), the first rank holds it below
 for the group and each load reaches the other ranks over the group: the blocks are
 gathered from the holder's KV tensors into a buffer, broadcast in pieces of at most
-64 MiB, and scattered into the other rank's KV tensors. The ceiling is one broadcast of
+16 MiB, and scattered into the other rank's KV tensors. The ceiling is one broadcast of
 the same bytes, already contiguous, over the same group in the same run.
 
 Two ranks in two processes on this machine, over gloo (vLLM's CPU build; on CUDA the

@@ -33,7 +33,7 @@ from kvtier.connector import BlockIds, EngineKV
 
 log = logging.getLogger(__name__)
 
-PIECE_BYTES = 64 << 20  # at most this much KV in one broadcast (its buffer on the device)
+PIECE_BYTES = 16 << 20  # at most this much KV in one broadcast (its buffer on the device)
 
 
 class Relay:
