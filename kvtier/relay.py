@@ -12,7 +12,8 @@ the holder loaded, then the blocks in pieces of at most ``piece_bytes``, each ga
 from the holder's KV, announced (whether the gather succeeded: else no rank writes the
 piece, and its loads fail on every rank), broadcast and scattered into each other
 rank's KV. A rank that has nowhere to put a load's blocks (it never heard of the load)
-still takes part, and drops them.
+still takes part, and drops them; one that cannot scatter a piece fails its loads there
+and goes on with the relay.
 
 Threads. Every rank of the group must run the same relays in the same order: they run
 on the engine's own thread, in the order its step's instructions (the same on every

@@ -1325,6 +1325,27 @@ def test_an_async_mla_load_ends_on_the_other_rank_once_the_holder_relayed_it(tin
         assert torch.equal(got, want)
 
 
+def test_an_async_mla_load_the_holder_cannot_read_ends_failed_on_every_rank(
+    tiny_model, engines, redis_prefix, real_client
+):
+    chain = _hashes(44, 4)
+    _mla_on_redis(tiny_model, engines, redis_prefix, chain)
+    reader = engines(tiny_model, _redis_through(redis_prefix), tp=2, mla=True)
+    before = reader.kv(1, [5, 6, 7, 8])
+    reader.run_another()
+    assert reader.admit(_request("r", chain), [5, 6, 7, 8, 9]) == (4 * BLOCK, True)
+    delete_prefix(real_client, redis_prefix)  # gone between the lookup and the load
+    done, errors = reader.step({})
+    reader.workers[0].cache.wait_loads()
+    for _ in range(2):  # the holder reports it over, then relays it
+        more_done, more_errors = reader.step({})
+        done, errors = done | more_done, errors | more_errors
+    assert (done, errors) == ({"r"}, {5, 6, 7, 8})
+    assert [w.num_load_errors for w in reader.workers] == [4, 4]
+    for got, want in zip(reader.kv(1, [5, 6, 7, 8]), before, strict=True):
+        assert torch.equal(got, want)
+
+
 def test_an_mla_load_the_holder_cannot_read_fails_on_every_rank(
     tiny_model, engines, redis_prefix, real_client
 ):
