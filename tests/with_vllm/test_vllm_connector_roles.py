@@ -1325,41 +1325,56 @@ def test_an_async_mla_load_ends_on_the_other_rank_once_the_holder_relayed_it(tin
         assert torch.equal(got, want)
 
 
+def _vanishing_mla_hit(
+    tiny_model, engines, prefix: str, client, chain: list[bytes], asynchronous: bool
+) -> tuple[Engine, list[torch.Tensor]]:
+    """An MLA engine at TP=2, restarted over Redis, that admitted a hit of ``chain``
+    (``asynchronous``: with another request running) whose values then left Redis
+    before the load; with rank 1's KV of the hit's blocks as it was before."""
+    _mla_on_redis(tiny_model, engines, prefix, chain)
+    reader = engines(tiny_model, _redis_through(prefix), tp=2, mla=True)
+    before = reader.kv(1, [5, 6, 7, 8])
+    if asynchronous:
+        reader.run_another()
+    admitted = reader.admit(_request("r", chain), [5, 6, 7, 8, 9])
+    assert admitted == (4 * BLOCK, asynchronous)
+    delete_prefix(client, prefix)  # gone between the lookup and the load
+    return reader, before
+
+
+def _failed_on_every_rank(reader: Engine, before: list[torch.Tensor]) -> None:
+    """Both ranks reported the hit's 4 blocks not loaded, and rank 1 wrote none of them."""
+    assert [w.num_load_errors for w in reader.workers] == [4, 4]
+    for got, want in zip(reader.kv(1, [5, 6, 7, 8]), before, strict=True):
+        assert torch.equal(got, want)  # nothing written where nothing was loaded
+
+
 def test_an_async_mla_load_the_holder_cannot_read_ends_failed_on_every_rank(
     tiny_model, engines, redis_prefix, real_client
 ):
     chain = _hashes(44, 4)
-    _mla_on_redis(tiny_model, engines, redis_prefix, chain)
-    reader = engines(tiny_model, _redis_through(redis_prefix), tp=2, mla=True)
-    before = reader.kv(1, [5, 6, 7, 8])
-    reader.run_another()
-    assert reader.admit(_request("r", chain), [5, 6, 7, 8, 9]) == (4 * BLOCK, True)
-    delete_prefix(real_client, redis_prefix)  # gone between the lookup and the load
+    reader, before = _vanishing_mla_hit(
+        tiny_model, engines, redis_prefix, real_client, chain, asynchronous=True
+    )
     done, errors = reader.step({})
     reader.workers[0].cache.wait_loads()
     for _ in range(2):  # the holder reports it over, then relays it
         more_done, more_errors = reader.step({})
         done, errors = done | more_done, errors | more_errors
     assert (done, errors) == ({"r"}, {5, 6, 7, 8})
-    assert [w.num_load_errors for w in reader.workers] == [4, 4]
-    for got, want in zip(reader.kv(1, [5, 6, 7, 8]), before, strict=True):
-        assert torch.equal(got, want)
+    _failed_on_every_rank(reader, before)
 
 
 def test_an_mla_load_the_holder_cannot_read_fails_on_every_rank(
     tiny_model, engines, redis_prefix, real_client
 ):
     chain = _hashes(43, 4)
-    _mla_on_redis(tiny_model, engines, redis_prefix, chain)
-    reader = engines(tiny_model, _redis_through(redis_prefix), tp=2, mla=True)
-    before = reader.kv(1, [5, 6, 7, 8])
-    assert reader.admit(_request("r", chain), [5, 6, 7, 8, 9]) == (4 * BLOCK, False)
-    delete_prefix(real_client, redis_prefix)  # gone between the lookup and the load
+    reader, before = _vanishing_mla_hit(
+        tiny_model, engines, redis_prefix, real_client, chain, asynchronous=False
+    )
     assert reader.step({"r": 1}) == (set(), {5, 6, 7, 8})  # vLLM recomputes them
-    assert [w.num_load_errors for w in reader.workers] == [4, 4]
     assert not any(w._failed_now for w in reader.workers)  # forgotten once the step is over
-    for got, want in zip(reader.kv(1, [5, 6, 7, 8]), before, strict=True):
-        assert torch.equal(got, want)  # nothing written where nothing was loaded
+    _failed_on_every_rank(reader, before)
 
 
 # ------------------------------------------------- hybrid: full attention and a window
